@@ -1,0 +1,45 @@
+//! The core's one error type. The glue crate maps each variant to a Python exception in a
+//! single place, so every variant here is part of the public contract.
+
+use std::fmt;
+
+/// Every way a core operation can refuse its input. A refused call changes no state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CoreError {
+    /// The hash algorithm name is not one of [`crate::HASH_ALGORITHMS`].
+    UnknownHashAlgorithm(String),
+    /// A size argument (block size, ...) is out of its valid range.
+    InvalidSize { what: &'static str, value: usize },
+    /// A multimodal feature list is malformed (unsorted, zero length, ...).
+    InvalidMmFeature(String),
+    /// A prefix length exceeds the tokens that exist.
+    OutOfRange {
+        what: &'static str,
+        value: usize,
+        limit: usize,
+    },
+    /// The operating system could not provide randomness for a secret seed.
+    Randomness(String),
+}
+
+pub type CoreResult<T> = Result<T, CoreError>;
+
+impl fmt::Display for CoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::UnknownHashAlgorithm(name) => write!(
+                f,
+                "unknown hash algorithm {name:?}; expected one of {}",
+                crate::HASH_ALGORITHMS.join(", ")
+            ),
+            Self::InvalidSize { what, value } => write!(f, "invalid {what}: {value}"),
+            Self::InvalidMmFeature(msg) => write!(f, "invalid mm_features: {msg}"),
+            Self::OutOfRange { what, value, limit } => {
+                write!(f, "{what} {value} is out of range (at most {limit})")
+            }
+            Self::Randomness(msg) => write!(f, "cannot draw a random seed: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for CoreError {}

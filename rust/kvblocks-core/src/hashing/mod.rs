@@ -1,0 +1,395 @@
+//! Chained block hashing with vLLM 0.33's algorithms byte for byte, plus a native fast mode.
+//!
+//! A block hash is `H(serialize((parent, tuple(tokens), extra_keys)))`; the parent of block 0
+//! is `NONE_HASH = H(serialize(seed))`. See `vllm-semantics.md` §1 for the exact rules.
+
+mod cbor;
+mod keys;
+mod native;
+mod pickle;
+
+pub use keys::{ExtraKey, MmFeature, RequestKeys};
+
+use crate::{CoreError, CoreResult};
+use sha2::{Digest, Sha256};
+use std::fmt;
+use xxhash_rust::xxh3::xxh3_128;
+
+/// The names accepted by [`HashAlgo::from_name`], in the order of [`HashAlgo`].
+pub const HASH_ALGORITHMS: [&str; 5] =
+    ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "xxh3_128"];
+
+/// The seed vLLM uses for the SHA-256 algorithms when `PYTHONHASHSEED` is unset.
+pub const DEFAULT_SEED: &str = "vllm-none-hash";
+
+/// A block hashing algorithm: a serialization and a digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HashAlgo {
+    /// vLLM `sha256`: pickle protocol 5, SHA-256.
+    Sha256Pickle,
+    /// vLLM `sha256_cbor`: canonical CBOR, SHA-256.
+    Sha256Cbor,
+    /// vLLM `xxhash`: pickle protocol 5, XXH3-128.
+    XxhashPickle,
+    /// vLLM `xxhash_cbor`: canonical CBOR, XXH3-128.
+    XxhashCbor,
+    /// kvblocks `xxh3_128`: the compact native layout of `native.rs`, XXH3-128.
+    Xxh3Native,
+}
+
+impl HashAlgo {
+    pub fn from_name(name: &str) -> CoreResult<Self> {
+        Ok(match name {
+            "sha256" => Self::Sha256Pickle,
+            "sha256_cbor" => Self::Sha256Cbor,
+            "xxhash" => Self::XxhashPickle,
+            "xxhash_cbor" => Self::XxhashCbor,
+            "xxh3_128" => Self::Xxh3Native,
+            other => return Err(CoreError::UnknownHashAlgorithm(other.to_owned())),
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sha256Pickle => "sha256",
+            Self::Sha256Cbor => "sha256_cbor",
+            Self::XxhashPickle => "xxhash",
+            Self::XxhashCbor => "xxhash_cbor",
+            Self::Xxh3Native => "xxh3_128",
+        }
+    }
+
+    /// Collision-resistant digests get a fixed public default seed; the others a random
+    /// secret one, so that an attacker cannot precompute colliding prompts.
+    pub fn is_cryptographic(self) -> bool {
+        matches!(self, Self::Sha256Pickle | Self::Sha256Cbor)
+    }
+
+    /// The digest length in bytes.
+    pub fn digest_size(self) -> usize {
+        if self.is_cryptographic() {
+            32
+        } else {
+            16
+        }
+    }
+
+    fn encode_block(
+        self,
+        out: &mut Vec<u8>,
+        parent: &[u8],
+        tokens: &[u32],
+        extra_keys: Option<&[ExtraKey<'_>]>,
+    ) {
+        out.clear();
+        match self {
+            Self::Sha256Pickle | Self::XxhashPickle => {
+                pickle::block(out, parent, tokens, extra_keys)
+            }
+            Self::Sha256Cbor | Self::XxhashCbor => cbor::block(out, parent, tokens, extra_keys),
+            Self::Xxh3Native => native::block(out, parent, tokens, extra_keys),
+        }
+    }
+
+    fn encode_seed(self, out: &mut Vec<u8>, seed: &str) {
+        out.clear();
+        match self {
+            Self::Sha256Pickle | Self::XxhashPickle => pickle::text(out, seed),
+            Self::Sha256Cbor | Self::XxhashCbor => cbor::text(out, seed),
+            Self::Xxh3Native => out.extend_from_slice(seed.as_bytes()),
+        }
+    }
+
+    fn digest(self, data: &[u8]) -> BlockHash {
+        if self.is_cryptographic() {
+            BlockHash::Sha256(Sha256::digest(data).into())
+        } else {
+            BlockHash::Xxh3(xxh3_128(data).to_be_bytes())
+        }
+    }
+}
+
+impl fmt::Display for HashAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One block hash, inline (no heap allocation per block).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BlockHash {
+    Sha256([u8; 32]),
+    Xxh3([u8; 16]),
+}
+
+impl BlockHash {
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Self::Sha256(b) => b,
+            Self::Xxh3(b) => b,
+        }
+    }
+
+    /// vLLM's external (KV-event) form: the last 8 bytes as a big-endian unsigned integer.
+    pub fn external_u64(&self) -> u64 {
+        let bytes = self.as_bytes();
+        let mut tail = [0u8; 8];
+        if let Some(last) = bytes.get(bytes.len().saturating_sub(8)..) {
+            tail.copy_from_slice(last);
+        }
+        u64::from_be_bytes(tail)
+    }
+}
+
+impl fmt::Debug for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.as_bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Resolves the NONE_HASH seed exactly as vLLM's `init_none_hash`: an explicit seed, else
+/// `PYTHONHASHSEED` (`env_seed`, used verbatim), else the fixed default for SHA-256 and a
+/// fresh random 64-hex-digit secret for the non-cryptographic algorithms.
+pub fn resolve_seed(
+    algo: HashAlgo,
+    explicit: Option<String>,
+    env_seed: Option<String>,
+) -> CoreResult<String> {
+    if let Some(seed) = explicit.or(env_seed) {
+        return Ok(seed);
+    }
+    if algo.is_cryptographic() {
+        return Ok(DEFAULT_SEED.to_owned());
+    }
+    let mut secret = [0u8; 32];
+    getrandom::fill(&mut secret).map_err(|e| CoreError::Randomness(e.to_string()))?;
+    Ok(secret.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Hashes blocks with one algorithm, block size and seed. Immutable and `Sync`: share it.
+#[derive(Debug, Clone)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    block_size: usize,
+    seed: String,
+    none_hash: BlockHash,
+}
+
+impl BlockHasher {
+    /// `seed` must already be resolved (see [`resolve_seed`]).
+    pub fn new(algo: HashAlgo, block_size: usize, seed: String) -> CoreResult<Self> {
+        if block_size == 0 {
+            return Err(CoreError::InvalidSize {
+                what: "block_size (must be >= 1)",
+                value: 0,
+            });
+        }
+        let mut scratch = Vec::new();
+        algo.encode_seed(&mut scratch, &seed);
+        let none_hash = algo.digest(&scratch);
+        Ok(Self {
+            algo,
+            block_size,
+            seed,
+            none_hash,
+        })
+    }
+
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn seed(&self) -> &str {
+        &self.seed
+    }
+
+    pub fn none_hash(&self) -> &BlockHash {
+        &self.none_hash
+    }
+
+    /// vLLM's `hash_block_tokens`: the hash of one block given its parent's hash. A missing
+    /// or empty parent means NONE_HASH. Like vLLM, the token count is not checked against
+    /// the block size. `scratch` is reused between calls to avoid allocation.
+    pub fn hash_block(
+        &self,
+        parent: Option<&[u8]>,
+        tokens: &[u32],
+        extra_keys: Option<&[ExtraKey<'_>]>,
+        scratch: &mut Vec<u8>,
+    ) -> BlockHash {
+        let parent = match parent {
+            Some(p) if !p.is_empty() => p,
+            _ => self.none_hash.as_bytes(),
+        };
+        self.algo.encode_block(scratch, parent, tokens, extra_keys);
+        self.algo.digest(scratch)
+    }
+
+    /// The chained hash of every full block of `tokens`, with the extra keys vLLM would
+    /// generate for a request with `keys`.
+    pub fn hash_blocks(&self, tokens: &[u32], keys: &RequestKeys) -> Vec<BlockHash> {
+        let mut chain = HashChain::default();
+        let mut hashes = Vec::with_capacity(tokens.len() / self.block_size);
+        for block in tokens.chunks_exact(self.block_size) {
+            let hash = chain.next(self, hashes.last(), block, keys);
+            hashes.push(hash);
+        }
+        hashes
+    }
+}
+
+/// The running state of an incremental chain: the multimodal cursor and a reusable
+/// serialization buffer.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct HashChain {
+    mm_cursor: usize,
+    scratch: Vec<u8>,
+    blocks_done: usize,
+}
+
+impl HashChain {
+    /// Hashes the next block of the chain, whose predecessor has hash `parent`.
+    pub(crate) fn next(
+        &mut self,
+        hasher: &BlockHasher,
+        parent: Option<&BlockHash>,
+        block: &[u32],
+        keys: &RequestKeys,
+    ) -> BlockHash {
+        let parent = parent.map(BlockHash::as_bytes);
+        let hash = if keys.is_empty() {
+            hasher.hash_block(parent, block, None, &mut self.scratch)
+        } else {
+            let start = self.blocks_done * hasher.block_size;
+            let mut extra = Vec::new();
+            keys.block_keys(start, start + block.len(), &mut self.mm_cursor, &mut extra);
+            let extra = (!extra.is_empty()).then_some(extra.as_slice());
+            hasher.hash_block(parent, block, extra, &mut self.scratch)
+        };
+        self.blocks_done += 1;
+        hash
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(h: &BlockHash) -> String {
+        format!("{h:?}")
+    }
+
+    fn hasher(algo: &str, block_size: usize) -> BlockHasher {
+        let algo = HashAlgo::from_name(algo).unwrap();
+        BlockHasher::new(algo, block_size, DEFAULT_SEED.to_owned()).unwrap()
+    }
+
+    #[test]
+    fn published_none_hashes() {
+        // vllm-semantics.md §1.2 (seed "vllm-none-hash").
+        let cases = [
+            (
+                "sha256",
+                "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198",
+            ),
+            (
+                "sha256_cbor",
+                "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0",
+            ),
+            ("xxhash", "d98f72b9c430d985211489af307f0229"),
+            ("xxhash_cbor", "a4e364baa0791a6f63bbf917db9b700d"),
+        ];
+        for (algo, expected) in cases {
+            assert_eq!(hex(hasher(algo, 16).none_hash()), expected, "{algo}");
+        }
+    }
+
+    #[test]
+    fn published_chained_sha256_cbor_vectors() {
+        // vllm-semantics.md §1.8.
+        let h = hasher("sha256_cbor", 5);
+        let mut scratch = Vec::new();
+        let h0 = h.hash_block(None, &[1, 2, 3, 300, 70000], None, &mut scratch);
+        assert_eq!(
+            hex(&h0),
+            "64a2177cdc4ad13cf6ff4c78a138c067abc894a027eb7755378d1ce49db50e0d"
+        );
+        let h1 = h.hash_block(Some(h0.as_bytes()), &[4, 5, 6, 7, 8], None, &mut scratch);
+        assert_eq!(
+            hex(&h1),
+            "f68aa1ec5519be54e8ad54458b4bac1c35fd8ad26ce57beae235d321810563c7"
+        );
+        assert_eq!(h0.external_u64(), 4002887412026248717);
+
+        let h4 = hasher("sha256_cbor", 4);
+        let chain = h4.hash_blocks(&[0, 1, 2, 3, 4, 5, 6, 7, 8], &RequestKeys::default());
+        assert_eq!(
+            chain.iter().map(hex).collect::<Vec<_>>(),
+            [
+                "c49ab11fb576db6f376aef58c24f728a0ba1807e8cac5f940f1a5c4c20741898",
+                "9d0a7c928c548f9aeea31ae98471cf515045a206851732ac14cb3083c18d40f9"
+            ]
+        );
+
+        let salted = RequestKeys::new(None, Some("salt1".into()), vec![]).unwrap();
+        let chain = h4.hash_blocks(&[1, 2, 3, 4], &salted);
+        assert_eq!(
+            hex(&chain[0]),
+            "59f237785cf5c5448048dd9a9303b769f819ecae82c1d363df0e182e59b5c42b"
+        );
+    }
+
+    #[test]
+    fn published_pickle_vector() {
+        let h = hasher("sha256", 5);
+        let h0 = h.hash_block(None, &[1, 2, 3, 300, 70000], None, &mut Vec::new());
+        assert_eq!(
+            hex(&h0),
+            "060e374a2428d3ade297b9b4f3bf39df08580aa75cc8d93f5983e9f8b10b08a0"
+        );
+    }
+
+    #[test]
+    fn empty_parent_means_none_hash() {
+        let h = hasher("xxh3_128", 2);
+        let mut scratch = Vec::new();
+        let a = h.hash_block(None, &[1, 2], None, &mut scratch);
+        let b = h.hash_block(Some(&[]), &[1, 2], None, &mut scratch);
+        let c = h.hash_block(Some(h.none_hash().as_bytes()), &[1, 2], None, &mut scratch);
+        assert_eq!(a, b);
+        assert_eq!(a, c);
+    }
+
+    #[test]
+    fn seed_rules() {
+        let sha = HashAlgo::Sha256Cbor;
+        let xx = HashAlgo::XxhashCbor;
+        assert_eq!(resolve_seed(sha, None, None).unwrap(), DEFAULT_SEED);
+        assert_eq!(resolve_seed(sha, None, Some("0".into())).unwrap(), "0");
+        assert_eq!(
+            resolve_seed(xx, Some("s".into()), Some("0".into())).unwrap(),
+            "s"
+        );
+        let a = resolve_seed(xx, None, None).unwrap();
+        let b = resolve_seed(xx, None, None).unwrap();
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn zero_block_size_is_refused() {
+        let err = BlockHasher::new(HashAlgo::Sha256Cbor, 0, DEFAULT_SEED.into()).unwrap_err();
+        assert!(matches!(err, CoreError::InvalidSize { .. }));
+        assert!(matches!(
+            HashAlgo::from_name("md5"),
+            Err(CoreError::UnknownHashAlgorithm(_))
+        ));
+    }
+}

@@ -1,0 +1,68 @@
+//! The `xxh3_128` mode: kvblocks' own fast layout, hashed with XXH3-128. No Python object
+//! is serialized; the bytes below are the whole contract (also in the README):
+//!
+//! ```text
+//! block    = u64le(len(parent)) parent u64le(n) token_0 .. token_{n-1} keys
+//! token    = u32le
+//! keys     = 0x00                                  (no extra keys: None)
+//!          | 0x01 u64le(count) key*                (a tuple of keys, possibly empty)
+//! key      = 0x01 str(name) str(path)              ("lora", name, path)
+//!          | 0x02 str(identifier) i64le(offset)    ("mm", identifier, offset)
+//!          | 0x03 str(salt)                        ("cache_salt", salt)
+//!          | 0x04 bytes(digest)                    ("prompt_embeds", digest)
+//! str      = u64le(len(utf8)) utf8 ; bytes = u64le(len) raw
+//! NONE_HASH = XXH3-128(utf8(seed)); every digest is the 128-bit value, big-endian.
+//! ```
+
+use super::keys::ExtraKey;
+
+fn len(out: &mut Vec<u8>, n: usize) {
+    out.extend_from_slice(&(n as u64).to_le_bytes());
+}
+
+fn sized(out: &mut Vec<u8>, data: &[u8]) {
+    len(out, data.len());
+    out.extend_from_slice(data);
+}
+
+pub(crate) fn block(
+    out: &mut Vec<u8>,
+    parent: &[u8],
+    tokens: &[u32],
+    extra_keys: Option<&[ExtraKey<'_>]>,
+) {
+    out.reserve(17 + parent.len() + 4 * tokens.len());
+    sized(out, parent);
+    len(out, tokens.len());
+    for &t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    let Some(keys) = extra_keys else {
+        out.push(0x00);
+        return;
+    };
+    out.push(0x01);
+    len(out, keys.len());
+    for key in keys {
+        match *key {
+            ExtraKey::Lora { name, path } => {
+                out.push(0x01);
+                sized(out, name.as_bytes());
+                sized(out, path.as_bytes());
+            }
+            ExtraKey::Mm { identifier, offset } => {
+                out.push(0x02);
+                sized(out, identifier.as_bytes());
+                out.extend_from_slice(&offset.to_le_bytes());
+            }
+            ExtraKey::CacheSalt(salt) => {
+                out.push(0x03);
+                sized(out, salt.as_bytes());
+            }
+            ExtraKey::PromptEmbeds(digest) => {
+                out.push(0x04);
+                sized(out, digest);
+            }
+        }
+    }
+}
