@@ -1,1 +1,23 @@
+//! PyO3 glue for kvblocks: converts arguments, makes one call into `kvblocks-core`, converts
+//! the result. No domain logic lives here.
 
+mod args;
+mod errors;
+mod hasher;
+mod keys;
+mod sequence;
+mod tokens;
+
+use kvblocks_core::HASH_ALGORITHMS;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("HASH_ALGORITHMS", PyTuple::new(m.py(), HASH_ALGORITHMS)?)?;
+    m.add("KvBlocksError", m.py().get_type::<errors::KvBlocksError>())?;
+    m.add_class::<hasher::PyBlockHasher>()?;
+    m.add_class::<sequence::PyTokenSequence>()?;
+    Ok(())
+}

@@ -1,0 +1,9 @@
+"""The pure-Python twin of kvblocks' native API: the same classes, methods and results,
+written plainly the way vLLM does the work. It is the reference for correctness tests and
+the baseline for every benchmark. The vLLM algorithms need ``cbor2`` and ``xxhash``
+(``pip install kvblocks[reference]``)."""
+
+from kvblocks.reference.hashing import HASH_ALGORITHMS, BlockHasher
+from kvblocks.reference.sequence import TokenSequence
+
+__all__ = ["HASH_ALGORITHMS", "BlockHasher", "TokenSequence"]

@@ -1,0 +1,138 @@
+//! `kvblocks.BlockHasher`.
+
+use crate::args::{size_arg, str_arg};
+use crate::errors::to_py;
+use crate::keys::{extract_extra_keys, request_keys};
+use crate::tokens::extract_token_ids;
+use kvblocks_core::{resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+use std::sync::Arc;
+
+/// Inputs at least this long are hashed with the GIL released.
+pub const DETACH_MIN_TOKENS: usize = 1024;
+
+/// vLLM's default block size.
+const DEFAULT_BLOCK_SIZE: usize = 16;
+
+#[pyclass(frozen, module = "kvblocks._core", name = "BlockHasher")]
+pub struct PyBlockHasher {
+    pub inner: Arc<BlockHasher>,
+}
+
+pub fn hash_bytes<'py>(py: Python<'py>, hash: &BlockHash) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, hash.as_bytes())
+}
+
+pub fn hash_list<'py>(py: Python<'py>, hashes: &[BlockHash]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, hashes.iter().map(|h| hash_bytes(py, h)))
+}
+
+fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
+    py.import("os")?
+        .getattr("environ")?
+        .call_method1("get", ("PYTHONHASHSEED",))?
+        .extract()
+}
+
+#[pymethods]
+impl PyBlockHasher {
+    #[new]
+    #[pyo3(signature = (algo = "sha256_cbor", *, block_size = None, seed = None))]
+    fn new(
+        py: Python<'_>,
+        algo: &str,
+        block_size: Option<&Bound<'_, PyAny>>,
+        seed: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let algo = HashAlgo::from_name(algo).map_err(to_py)?;
+        let block_size = match block_size {
+            Some(size) => size_arg(size, "block_size", 1)?,
+            None => DEFAULT_BLOCK_SIZE,
+        };
+        let seed = seed
+            .filter(|s| !s.is_none())
+            .map(|s| str_arg(s, "seed"))
+            .transpose()?;
+        let seed = resolve_seed(algo, seed, env_seed(py)?).map_err(to_py)?;
+        let inner = BlockHasher::new(algo, block_size, seed).map_err(to_py)?;
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
+    }
+
+    #[getter]
+    fn algo(&self) -> &'static str {
+        self.inner.algo().name()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    #[getter]
+    fn seed(&self) -> &str {
+        self.inner.seed()
+    }
+
+    #[getter]
+    fn none_hash<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        hash_bytes(py, self.inner.none_hash())
+    }
+
+    #[getter]
+    fn digest_size(&self) -> usize {
+        self.inner.algo().digest_size()
+    }
+
+    #[pyo3(signature = (parent, token_ids, extra_keys = None, /))]
+    fn hash_block<'py>(
+        &self,
+        py: Python<'py>,
+        parent: Option<&[u8]>,
+        token_ids: &Bound<'py, PyAny>,
+        extra_keys: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let tokens = extract_token_ids(token_ids)?;
+        let owned = extract_extra_keys(extra_keys)?;
+        let keys: Option<Vec<ExtraKey<'_>>> = owned
+            .as_ref()
+            .map(|v| v.iter().map(|k| k.as_key()).collect());
+        let hash =
+            self.inner
+                .hash_block(parent, tokens.as_slice(), keys.as_deref(), &mut Vec::new());
+        Ok(hash_bytes(py, &hash))
+    }
+
+    #[pyo3(signature = (token_ids, /, *, cache_salt = None, lora = None, mm_features = None))]
+    fn hash_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'py, PyAny>,
+        cache_salt: Option<&Bound<'py, PyAny>>,
+        lora: Option<&Bound<'py, PyAny>>,
+        mm_features: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let tokens = extract_token_ids(token_ids)?;
+        let keys = request_keys(cache_salt, lora, mm_features)?;
+        let tokens = tokens.as_slice();
+        let hasher = &self.inner;
+        let hashes = if tokens.len() >= DETACH_MIN_TOKENS {
+            // The slice may borrow a numpy array in place: like hashlib reading a buffer
+            // without the GIL, a concurrent writer to that array is the caller's race.
+            py.detach(|| hasher.hash_blocks(tokens, &keys))
+        } else {
+            hasher.hash_blocks(tokens, &keys)
+        };
+        hash_list(py, &hashes)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockHasher(algo='{}', block_size={})",
+            self.inner.algo().name(),
+            self.inner.block_size()
+        )
+    }
+}

@@ -1,0 +1,197 @@
+//! Token-id arguments: numpy arrays (read in place when the dtype allows), lists, tuples,
+//! `range`, `array.array` and other iterables of ints, all checked to lie in `[0, 2**32)`.
+
+use numpy::prelude::*;
+use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArray};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyString, PyTuple, PyType,
+};
+
+/// Token ids either borrowed from a numpy array or copied into a vector.
+pub enum TokenIds<'py> {
+    U32(PyReadonlyArray1<'py, u32>),
+    /// An int32 array already checked to hold no negative value.
+    I32(PyReadonlyArray1<'py, i32>),
+    Owned(Vec<u32>),
+}
+
+impl TokenIds<'_> {
+    pub fn as_slice(&self) -> &[u32] {
+        match self {
+            Self::U32(a) => a.as_slice().unwrap_or_default(),
+            Self::I32(a) => {
+                let s = a.as_slice().unwrap_or_default();
+                // SAFETY: i32 and u32 have the same size and alignment, and every value was
+                // checked to be non-negative, so each reads back as the same number.
+                unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u32>(), s.len()) }
+            }
+            Self::Owned(v) => v,
+        }
+    }
+}
+
+fn out_of_range(index: usize, value: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!(
+        "token id {value} at index {index} is out of range [0, 2**32)"
+    ))
+}
+
+fn check_range(index: usize, value: i128) -> PyResult<u32> {
+    u32::try_from(value).map_err(|_| out_of_range(index, value))
+}
+
+fn token_from_item(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    if item.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "token ids must be integers, got bool at index {index}"
+        )));
+    }
+    match item.extract::<i64>() {
+        Ok(v) => check_range(index, i128::from(v)),
+        Err(e) if e.is_instance_of::<PyOverflowError>(item.py()) => Err(out_of_range(index, item)),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "token ids must be integers, got {} at index {index}",
+            item.get_type().name()?
+        ))),
+    }
+}
+
+fn from_iter<'py>(
+    items: impl Iterator<Item = PyResult<Bound<'py, PyAny>>>,
+    hint: usize,
+) -> PyResult<TokenIds<'py>> {
+    let mut out = Vec::with_capacity(hint);
+    for (index, item) in items.enumerate() {
+        out.push(token_from_item(index, &item?)?);
+    }
+    Ok(TokenIds::Owned(out))
+}
+
+fn copy_checked<T>(array: &Bound<'_, PyUntypedArray>) -> PyResult<Option<Vec<u32>>>
+where
+    T: numpy::Element + Copy + Into<i128>,
+{
+    let Ok(typed) = array.cast::<PyArray1<T>>() else {
+        return Ok(None);
+    };
+    let view = typed.readonly();
+    let view = view.as_array();
+    let mut out = Vec::with_capacity(view.len());
+    for (index, &v) in view.iter().enumerate() {
+        out.push(check_range(index, v.into())?);
+    }
+    Ok(Some(out))
+}
+
+fn first_negative(values: &[i32]) -> Option<(usize, i32)> {
+    values.iter().copied().enumerate().find(|&(_, v)| v < 0)
+}
+
+fn from_ndarray<'py>(array: &Bound<'py, PyUntypedArray>) -> PyResult<TokenIds<'py>> {
+    if array.ndim() != 1 {
+        return Err(PyValueError::new_err(format!(
+            "token ids must be a 1-D array, got a {}-D array",
+            array.ndim()
+        )));
+    }
+    let dtype = array.dtype();
+    if !matches!(dtype.kind(), b'i' | b'u') {
+        return Err(PyTypeError::new_err(format!(
+            "token ids must have an integer dtype, got {}",
+            dtype.str()?
+        )));
+    }
+    if let Ok(a) = array.cast::<PyArray1<u32>>() {
+        let ro = a.readonly();
+        if ro.as_slice().is_ok() {
+            return Ok(TokenIds::U32(ro));
+        }
+    }
+    if let Ok(a) = array.cast::<PyArray1<i32>>() {
+        let ro = a.readonly();
+        if let Ok(values) = ro.as_slice() {
+            if let Some((index, v)) = first_negative(values) {
+                return Err(out_of_range(index, v));
+            }
+            return Ok(TokenIds::I32(ro));
+        }
+    }
+    for copy in COPIERS {
+        if let Some(values) = copy(array)? {
+            return Ok(TokenIds::Owned(values));
+        }
+    }
+    // A non-native byte order: let numpy convert it to a native 64-bit type first.
+    let native = if dtype.kind() == b'u' {
+        "uint64"
+    } else {
+        "int64"
+    };
+    let converted = array.call_method1("astype", (native,))?;
+    from_ndarray(converted.cast::<PyUntypedArray>()?)
+}
+
+type Copier = fn(&Bound<'_, PyUntypedArray>) -> PyResult<Option<Vec<u32>>>;
+
+/// Every native integer dtype, read element by element with a range check.
+const COPIERS: [Copier; 8] = [
+    copy_checked::<u32>,
+    copy_checked::<i32>,
+    copy_checked::<i64>,
+    copy_checked::<u64>,
+    copy_checked::<i16>,
+    copy_checked::<u16>,
+    copy_checked::<i8>,
+    copy_checked::<u8>,
+];
+
+/// Converts a token-id argument (see the module doc).
+pub fn extract_token_ids<'py>(obj: &Bound<'py, PyAny>) -> PyResult<TokenIds<'py>> {
+    if let Ok(array) = obj.cast::<PyUntypedArray>() {
+        return from_ndarray(array);
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        return from_iter(list.iter().map(Ok), list.len());
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return from_iter(tuple.iter().map(Ok), tuple.len());
+    }
+    if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+    {
+        return Err(PyTypeError::new_err(format!(
+            "token ids must be a sequence of integers, got {}",
+            obj.get_type().name()?
+        )));
+    }
+    if let Ok(view) = PyMemoryView::from(obj) {
+        // array.array, memoryview and other buffers: numpy reads the declared item type.
+        let array = obj.py().import("numpy")?.call_method1("asarray", (view,))?;
+        return from_ndarray(array.cast::<PyUntypedArray>()?);
+    }
+    match obj.try_iter() {
+        Ok(iter) => from_iter(iter, obj.len().unwrap_or(0)),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "token ids must be a sequence of integers, got {}",
+            obj.get_type().name()?
+        ))),
+    }
+}
+
+static NUMPY_INTEGER: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// Accepts one token (an int or a numpy integer scalar) or anything [`extract_token_ids`]
+/// takes.
+pub fn extract_one_or_many<'py>(obj: &Bound<'py, PyAny>) -> PyResult<TokenIds<'py>> {
+    let numpy_integer = NUMPY_INTEGER.import(obj.py(), "numpy", "integer")?;
+    if (obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>())
+        || obj.is_instance(numpy_integer)?
+    {
+        return Ok(TokenIds::Owned(vec![token_from_item(0, obj)?]));
+    }
+    extract_token_ids(obj)
+}
