@@ -255,15 +255,15 @@ class BlockHasher:
     def digest_size(self) -> int:
         return len(self._none_hash)
 
-    def hash_block_tokens(self, parent: bytes | None, tokens: tuple[int, ...], extra: ExtraKeys) -> bytes:
+    def hash_block_tokens(
+        self, parent: bytes | None, tokens: tuple[int, ...], extra: ExtraKeys
+    ) -> bytes:
         """vLLM's ``hash_block_tokens`` on already-checked arguments."""
         if not parent:
             parent = self._none_hash
         return self._hash_fn((_fresh_bytes(parent), tokens, extra))
 
-    def hash_block(
-        self, parent: bytes | None, token_ids: Any, extra_keys: Any = None, /
-    ) -> bytes:
+    def hash_block(self, parent: bytes | None, token_ids: Any, extra_keys: Any = None, /) -> bytes:
         if parent is not None and not isinstance(parent, bytes):
             raise TypeError(f"parent must be bytes or None, got {type(parent).__name__}")
         tokens = tuple(as_token_ids(token_ids))
