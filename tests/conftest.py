@@ -10,11 +10,10 @@ from types import ModuleType
 from typing import Any
 
 import cbor2
-import pytest
-import xxhash
-
 import kvblocks
 import kvblocks.reference
+import pytest
+import xxhash
 
 VLLM_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 

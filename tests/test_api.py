@@ -9,11 +9,11 @@ import sys
 import threading
 from types import ModuleType
 
+import kvblocks
+import kvblocks.reference as ref
 import numpy as np
 import pytest
 
-import kvblocks
-import kvblocks.reference as ref
 from tests.conftest import oracle_none_hash
 
 
@@ -75,7 +75,8 @@ def test_seed_without_pythonhashseed() -> None:
             assert second[f"{impl}:{algo}"] == first[f"{impl}:{algo}"]
         for algo in ("xxhash", "xxhash_cbor", "xxh3_128"):
             seed, none_hash = first[f"{impl}:{algo}"]
-            assert len(seed) == 64 and int(seed, 16) >= 0  # a random 32-byte hex secret
+            assert len(seed) == 64  # a random 32-byte secret, in hex
+            assert int(seed, 16) >= 0
             assert none_hash == oracle_none_hash(algo, seed).hex()
             assert second[f"{impl}:{algo}"][0] != seed
 
@@ -123,7 +124,9 @@ def test_output_array_is_a_read_only_snapshot(impl: ModuleType) -> None:
     seq = impl.TokenSequence([1, 2], hasher=impl.BlockHasher(block_size=2))
     seq.append_token_ids([3, 4])
     out = seq.output_token_ids
-    assert out.tolist() == [3, 4] and out.dtype == np.uint32 and not out.flags.writeable
+    assert out.tolist() == [3, 4]
+    assert out.dtype == np.uint32
+    assert not out.flags.writeable
     seq.append_token_ids(5)
     assert out.tolist() == [3, 4]
     assert seq.output_token_ids.tolist() == [3, 4, 5]

@@ -3,13 +3,13 @@ inputs; every hash must agree, and TokenSequence must not care how the tokens ar
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
-
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import kvblocks
 import kvblocks.reference as ref
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 ALGOS = st.sampled_from(kvblocks.HASH_ALGORITHMS)
 TOKEN = st.one_of(
@@ -104,7 +104,7 @@ def test_token_sequence_agrees_however_tokens_arrive(
         seq = impl.TokenSequence(tokens[:prompt_len], hasher=hasher, **request)
         rest = tokens[prompt_len:]
         bounds = sorted({0, len(rest), *(c for c in cuts if c < len(rest))})
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
+        for lo, hi in itertools.pairwise(bounds):
             chunk = rest[lo:hi]
             seq.append_token_ids(chunk[0] if len(chunk) == 1 else chunk)
         assert seq.block_hashes == expected, impl.__name__

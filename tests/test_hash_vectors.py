@@ -162,9 +162,8 @@ def test_pickle_frames_of_huge_blocks(impl: ModuleType, algo: str) -> None:
 
 def test_native_layout_vector() -> None:
     """A fixed xxh3_128 vector, so the layout cannot drift unnoticed (README contract)."""
-    import xxhash
-
     import kvblocks
+    import xxhash
 
     h = kvblocks.BlockHasher("xxh3_128", block_size=2, seed="kvblocks")
     none_hash = xxhash.xxh3_128_digest(b"kvblocks")

@@ -6,15 +6,23 @@ from typing import Final, final
 import numpy as np
 import numpy.typing as npt
 
+__all__ = [
+    "HASH_ALGORITHMS",
+    "BlockHasher",
+    "KvBlocksError",
+    "TokenSequence",
+    "__version__",
+]
+
 __version__: Final[str]
 HASH_ALGORITHMS: Final[tuple[str, str, str, str, str]]
 
 #: A token-id sequence: list, tuple, range, array.array or a 1-D integer numpy array.
-TokenIds = Iterable[int] | npt.NDArray[np.integer]
+_TokenIds = Iterable[int] | npt.NDArray[np.integer]
 #: ``("lora", name, path)``, ``("mm", identifier, offset)``, ``("cache_salt", salt)`` or
 #: ``("prompt_embeds", digest)``.
-ExtraKey = tuple[str, str, str] | tuple[str, str, int] | tuple[str, str] | tuple[str, bytes]
-MmFeature = tuple[str, int, int]
+_ExtraKey = tuple[str, str, str] | tuple[str, str, int] | tuple[str, str] | tuple[str, bytes]
+_MmFeature = tuple[str, int, int]
 
 class KvBlocksError(Exception): ...
 
@@ -40,33 +48,33 @@ class BlockHasher:
     def hash_block(
         self,
         parent: bytes | None,
-        token_ids: TokenIds,
-        extra_keys: tuple[ExtraKey, ...] | None = None,
+        token_ids: _TokenIds,
+        extra_keys: tuple[_ExtraKey, ...] | None = None,
         /,
     ) -> bytes: ...
     def hash_blocks(
         self,
-        token_ids: TokenIds,
+        token_ids: _TokenIds,
         /,
         *,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
-        mm_features: Sequence[MmFeature] | None = None,
+        mm_features: Sequence[_MmFeature] | None = None,
     ) -> list[bytes]: ...
 
 @final
 class TokenSequence:
     def __new__(
         cls,
-        prompt_token_ids: TokenIds,
+        prompt_token_ids: _TokenIds,
         /,
         *,
         hasher: BlockHasher,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
-        mm_features: Sequence[MmFeature] | None = None,
+        mm_features: Sequence[_MmFeature] | None = None,
     ) -> TokenSequence: ...
-    def append_token_ids(self, token_ids: int | TokenIds, /) -> None: ...
+    def append_token_ids(self, token_ids: int | _TokenIds, /) -> None: ...
     def __len__(self) -> int: ...
     @property
     def hasher(self) -> BlockHasher: ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import operator
 from collections.abc import Iterable
 from typing import Any
@@ -10,6 +11,8 @@ import numpy as np
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _TOKEN_LIMIT = 2**32
+# An array typecode holding exactly the token range (C unsigned int or long, whichever is 32-bit).
+_U32 = next(code for code in "ILH" if array.array(code).itemsize == 4)
 
 
 def int_arg(value: Any, what: str) -> int:
@@ -61,11 +64,22 @@ def _from_ndarray(array: np.ndarray[Any, Any]) -> list[int]:
     return [_token(i, v) for i, v in enumerate(values)]
 
 
+def _all_in_range(values: list[int] | tuple[int, ...]) -> bool:
+    try:
+        array.array(_U32, values)  # a C loop that rejects negative and too-large values
+    except OverflowError:
+        return False
+    return True
+
+
 def token_ids(obj: Any) -> list[int]:
     """Token ids as a list of ints in ``[0, 2**32)``; the same inputs and errors as native."""
     if isinstance(obj, np.ndarray):
         return _from_ndarray(obj)
     if isinstance(obj, list | tuple):
+        # Fast path in C loops; the element-wise loop below finds and reports the bad token.
+        if set(map(type, obj)) <= {int} and _all_in_range(obj):
+            return list(obj)
         return [_token(i, v) for i, v in enumerate(obj)]
     if isinstance(obj, str | bytes | bytearray):
         raise TypeError(f"token ids must be a sequence of integers, got {type(obj).__name__}")

@@ -75,7 +75,10 @@ def _native(obj: object) -> bytes:
     """The ``xxh3_128`` layout (README, "Hash contract"): the seed string, or a block tuple."""
     if isinstance(obj, str):
         return obj.encode("utf-8")
-    parent, tokens, extra_keys = obj  # type: ignore[misc]
+    assert isinstance(obj, tuple)
+    parent: bytes = obj[0]
+    tokens: tuple[int, ...] = obj[1]
+    extra_keys: ExtraKeys = obj[2]
     out = bytearray(_sized(parent))
     out += struct.pack(f"<Q{len(tokens)}I", len(tokens), *tokens)
     if extra_keys is None:

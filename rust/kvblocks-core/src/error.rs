@@ -13,11 +13,7 @@ pub enum CoreError {
     /// A multimodal feature list is malformed (unsorted, zero length, ...).
     InvalidMmFeature(String),
     /// A prefix length exceeds the tokens that exist.
-    OutOfRange {
-        what: &'static str,
-        value: usize,
-        limit: usize,
-    },
+    OutOfRange { what: &'static str, value: usize, limit: usize },
     /// The operating system could not provide randomness for a secret seed.
     Randomness(String),
 }

@@ -22,10 +22,7 @@ impl TokenSequence {
     /// Takes the prompt and hashes its full blocks. An empty prompt is refused, as vLLM does.
     pub fn new(hasher: Arc<BlockHasher>, prompt: &[u32], keys: RequestKeys) -> CoreResult<Self> {
         if prompt.is_empty() {
-            return Err(CoreError::InvalidSize {
-                what: "prompt length (must be >= 1)",
-                value: 0,
-            });
+            return Err(CoreError::InvalidSize { what: "prompt length (must be >= 1)", value: 0 });
         }
         let mut seq = Self {
             hasher,
@@ -51,28 +48,21 @@ impl TokenSequence {
         let block_size = self.hasher.block_size();
         let num_prompt = self.prompt.len();
         let num_full = self.num_tokens() / block_size;
-        self.block_hashes
-            .reserve(num_full.saturating_sub(self.block_hashes.len()));
+        self.block_hashes.reserve(num_full.saturating_sub(self.block_hashes.len()));
         for index in self.block_hashes.len()..num_full {
             let (start, end) = (index * block_size, (index + 1) * block_size);
             let block: &[u32] = if end <= num_prompt {
                 self.prompt.get(start..end).unwrap_or_default()
             } else if start >= num_prompt {
-                self.output
-                    .get(start - num_prompt..end - num_prompt)
-                    .unwrap_or_default()
+                self.output.get(start - num_prompt..end - num_prompt).unwrap_or_default()
             } else {
                 self.straddle.clear();
-                self.straddle
-                    .extend_from_slice(self.prompt.get(start..).unwrap_or_default());
+                self.straddle.extend_from_slice(self.prompt.get(start..).unwrap_or_default());
                 let rest = end - num_prompt;
-                self.straddle
-                    .extend_from_slice(self.output.get(..rest).unwrap_or_default());
+                self.straddle.extend_from_slice(self.output.get(..rest).unwrap_or_default());
                 &self.straddle
             };
-            let hash = self
-                .chain
-                .next(&self.hasher, self.block_hashes.last(), block, &self.keys);
+            let hash = self.chain.next(&self.hasher, self.block_hashes.last(), block, &self.keys);
             self.block_hashes.push(hash);
         }
     }
@@ -99,11 +89,7 @@ impl TokenSequence {
 
     /// The last token (the prompt is never empty).
     pub fn last_token_id(&self) -> u32 {
-        self.output
-            .last()
-            .or(self.prompt.last())
-            .copied()
-            .unwrap_or_default()
+        self.output.last().or(self.prompt.last()).copied().unwrap_or_default()
     }
 
     pub fn prompt(&self) -> &Arc<[u32]> {
@@ -128,20 +114,13 @@ impl TokenSequence {
     pub fn prefix_token_ids(&self, n: usize) -> CoreResult<(&[u32], Option<&[u32]>)> {
         let total = self.num_tokens();
         if n > total {
-            return Err(CoreError::OutOfRange {
-                what: "prefix length",
-                value: n,
-                limit: total,
-            });
+            return Err(CoreError::OutOfRange { what: "prefix length", value: n, limit: total });
         }
         let num_prompt = self.prompt.len();
         if n <= num_prompt {
             Ok((self.prompt.get(..n).unwrap_or_default(), None))
         } else {
-            Ok((
-                &self.prompt,
-                Some(self.output.get(..n - num_prompt).unwrap_or_default()),
-            ))
+            Ok((&self.prompt, Some(self.output.get(..n - num_prompt).unwrap_or_default())))
         }
     }
 }
@@ -163,11 +142,7 @@ mod tests {
         let keys = RequestKeys::new(
             Some(("l".into(), "/p".into())),
             Some("salt".into()),
-            vec![MmFeature {
-                identifier: "img".into(),
-                offset: 3,
-                length: 9,
-            }],
+            vec![MmFeature { identifier: "img".into(), offset: 3, length: 9 }],
         )
         .unwrap();
         let tokens: Vec<u32> = (0..103).map(|i| i * 7919 % 100_003).collect();
@@ -195,10 +170,7 @@ mod tests {
         let mut seq = TokenSequence::new(hasher(2), &[1, 2, 3], RequestKeys::default()).unwrap();
         seq.append_token_ids(&[4, 5]);
         assert_eq!(seq.prefix_token_ids(2).unwrap(), (&[1u32, 2][..], None));
-        assert_eq!(
-            seq.prefix_token_ids(4).unwrap(),
-            (&[1u32, 2, 3][..], Some(&[4u32][..]))
-        );
+        assert_eq!(seq.prefix_token_ids(4).unwrap(), (&[1u32, 2, 3][..], Some(&[4u32][..])));
         assert!(seq.prefix_token_ids(6).is_err());
         assert_eq!(seq.last_token_id(), 5);
         assert_eq!(seq.block_hashes().len(), 2);

@@ -7,19 +7,16 @@ use pyo3::types::{PyBool, PyString};
 
 pub fn int_arg(item: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
     let type_error = || -> PyResult<PyErr> {
-        Ok(PyTypeError::new_err(format!(
-            "{what} must be an int, got {}",
-            item.get_type().name()?
-        )))
+        Ok(PyTypeError::new_err(format!("{what} must be an int, got {}", item.get_type().name()?)))
     };
     if item.is_instance_of::<PyBool>() {
         return Err(type_error()?);
     }
     match item.extract::<i64>() {
         Ok(v) => Ok(v),
-        Err(e) if e.is_instance_of::<PyOverflowError>(item.py()) => Err(PyValueError::new_err(
-            format!("{what} {item} is out of range"),
-        )),
+        Err(e) if e.is_instance_of::<PyOverflowError>(item.py()) => {
+            Err(PyValueError::new_err(format!("{what} {item} is out of range")))
+        }
         Err(_) => Err(type_error()?),
     }
 }

@@ -29,10 +29,7 @@ pub fn hash_list<'py>(py: Python<'py>, hashes: &[BlockHash]) -> PyResult<Bound<'
 }
 
 fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
-    py.import("os")?
-        .getattr("environ")?
-        .call_method1("get", ("PYTHONHASHSEED",))?
-        .extract()
+    py.import("os")?.getattr("environ")?.call_method1("get", ("PYTHONHASHSEED",))?.extract()
 }
 
 #[pymethods]
@@ -50,15 +47,10 @@ impl PyBlockHasher {
             Some(size) => size_arg(size, "block_size", 1)?,
             None => DEFAULT_BLOCK_SIZE,
         };
-        let seed = seed
-            .filter(|s| !s.is_none())
-            .map(|s| str_arg(s, "seed"))
-            .transpose()?;
+        let seed = seed.filter(|s| !s.is_none()).map(|s| str_arg(s, "seed")).transpose()?;
         let seed = resolve_seed(algo, seed, env_seed(py)?).map_err(to_py)?;
         let inner = BlockHasher::new(algo, block_size, seed).map_err(to_py)?;
-        Ok(Self {
-            inner: Arc::new(inner),
-        })
+        Ok(Self { inner: Arc::new(inner) })
     }
 
     #[getter]
@@ -96,12 +88,10 @@ impl PyBlockHasher {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let tokens = extract_token_ids(token_ids)?;
         let owned = extract_extra_keys(extra_keys)?;
-        let keys: Option<Vec<ExtraKey<'_>>> = owned
-            .as_ref()
-            .map(|v| v.iter().map(|k| k.as_key()).collect());
+        let keys: Option<Vec<ExtraKey<'_>>> =
+            owned.as_ref().map(|v| v.iter().map(|k| k.as_key()).collect());
         let hash =
-            self.inner
-                .hash_block(parent, tokens.as_slice(), keys.as_deref(), &mut Vec::new());
+            self.inner.hash_block(parent, tokens.as_slice(), keys.as_deref(), &mut Vec::new());
         Ok(hash_bytes(py, &hash))
     }
 

@@ -20,10 +20,7 @@ impl OwnedKey {
     pub fn as_key(&self) -> ExtraKey<'_> {
         match self {
             Self::Lora(name, path) => ExtraKey::Lora { name, path },
-            Self::Mm(identifier, offset) => ExtraKey::Mm {
-                identifier,
-                offset: *offset,
-            },
+            Self::Mm(identifier, offset) => ExtraKey::Mm { identifier, offset: *offset },
             Self::CacheSalt(salt) => ExtraKey::CacheSalt(salt),
             Self::PromptEmbeds(digest) => ExtraKey::PromptEmbeds(digest),
         }
@@ -47,14 +44,12 @@ fn extra_key(key: &Bound<'_, PyAny>) -> PyResult<OwnedKey> {
         }
     };
     match (tag.as_str(), items.as_slice()) {
-        ("lora", [_, name, path]) => Ok(OwnedKey::Lora(
-            str_arg(name, "lora name")?,
-            str_arg(path, "lora path")?,
-        )),
-        ("mm", [_, identifier, offset]) => Ok(OwnedKey::Mm(
-            str_arg(identifier, "mm identifier")?,
-            int_arg(offset, "mm offset")?,
-        )),
+        ("lora", [_, name, path]) => {
+            Ok(OwnedKey::Lora(str_arg(name, "lora name")?, str_arg(path, "lora path")?))
+        }
+        ("mm", [_, identifier, offset]) => {
+            Ok(OwnedKey::Mm(str_arg(identifier, "mm identifier")?, int_arg(offset, "mm offset")?))
+        }
         ("cache_salt", [_, salt]) => Ok(OwnedKey::CacheSalt(str_arg(salt, "cache salt")?)),
         ("prompt_embeds", [_, digest]) => {
             let digest = digest
@@ -62,9 +57,7 @@ fn extra_key(key: &Bound<'_, PyAny>) -> PyResult<OwnedKey> {
                 .map_err(|_| PyTypeError::new_err("the prompt_embeds digest must be bytes"))?;
             Ok(OwnedKey::PromptEmbeds(digest.as_bytes().to_vec()))
         }
-        _ => Err(PyValueError::new_err(format!(
-            "unknown extra key {key}: expected {KEY_SHAPES}"
-        ))),
+        _ => Err(PyValueError::new_err(format!("unknown extra key {key}: expected {KEY_SHAPES}"))),
     }
 }
 
@@ -74,15 +67,9 @@ pub fn extract_extra_keys(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec
         return Ok(None);
     };
     let tuple = obj.cast::<PyTuple>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "extra_keys must be None or a tuple of keys: {KEY_SHAPES}"
-        ))
+        PyTypeError::new_err(format!("extra_keys must be None or a tuple of keys: {KEY_SHAPES}"))
     })?;
-    tuple
-        .iter()
-        .map(|k| extra_key(&k))
-        .collect::<PyResult<Vec<_>>>()
-        .map(Some)
+    tuple.iter().map(|k| extra_key(&k)).collect::<PyResult<Vec<_>>>().map(Some)
 }
 
 fn lora(obj: &Bound<'_, PyAny>) -> PyResult<(String, String)> {
@@ -91,20 +78,13 @@ fn lora(obj: &Bound<'_, PyAny>) -> PyResult<(String, String)> {
         .ok()
         .filter(|t| t.len() == 2)
         .ok_or_else(|| PyTypeError::new_err("lora must be a (name, path) tuple of two str"))?;
-    Ok((
-        str_arg(&pair.get_item(0)?, "lora name")?,
-        str_arg(&pair.get_item(1)?, "lora path")?,
-    ))
+    Ok((str_arg(&pair.get_item(0)?, "lora name")?, str_arg(&pair.get_item(1)?, "lora path")?))
 }
 
 fn mm_feature(obj: &Bound<'_, PyAny>) -> PyResult<MmFeature> {
-    let triple = obj
-        .cast::<PyTuple>()
-        .ok()
-        .filter(|t| t.len() == 3)
-        .ok_or_else(|| {
-            PyTypeError::new_err("each mm feature must be an (identifier, offset, length) tuple")
-        })?;
+    let triple = obj.cast::<PyTuple>().ok().filter(|t| t.len() == 3).ok_or_else(|| {
+        PyTypeError::new_err("each mm feature must be an (identifier, offset, length) tuple")
+    })?;
     Ok(MmFeature {
         identifier: str_arg(&triple.get_item(0)?, "mm identifier")?,
         offset: size_arg(&triple.get_item(1)?, "mm offset", 0)?,
@@ -124,10 +104,7 @@ pub fn request_keys(
     };
     let lora_arg = lora_arg.filter(|o| !o.is_none()).map(lora).transpose()?;
     let features = match mm_features.filter(|o| !o.is_none()) {
-        Some(items) => items
-            .try_iter()?
-            .map(|f| mm_feature(&f?))
-            .collect::<PyResult<Vec<_>>>()?,
+        Some(items) => items.try_iter()?.map(|f| mm_feature(&f?)).collect::<PyResult<Vec<_>>>()?,
         None => Vec::new(),
     };
     RequestKeys::new(lora_arg, cache_salt, features).map_err(to_py)

@@ -50,17 +50,9 @@ impl PyTokenSequence {
         let core_hasher = hasher.get().inner.clone();
         let tokens = tokens.as_slice();
         let build = || TokenSequence::new(core_hasher, tokens, keys);
-        let seq = if tokens.len() >= DETACH_MIN_TOKENS {
-            py.detach(build)
-        } else {
-            build()
-        };
+        let seq = if tokens.len() >= DETACH_MIN_TOKENS { py.detach(build) } else { build() };
         let seq = seq.map_err(to_py)?;
-        Ok(Self {
-            prompt: seq.prompt().clone(),
-            inner: Mutex::new(seq),
-            hasher: hasher.unbind(),
-        })
+        Ok(Self { prompt: seq.prompt().clone(), inner: Mutex::new(seq), hasher: hasher.unbind() })
     }
 
     /// Appends one token id or a sequence of them.

@@ -34,16 +34,66 @@ impl TokenIds<'_> {
 }
 
 fn out_of_range(index: usize, value: impl std::fmt::Display) -> PyErr {
-    PyValueError::new_err(format!(
-        "token id {value} at index {index} is out of range [0, 2**32)"
-    ))
+    PyValueError::new_err(format!("token id {value} at index {index} is out of range [0, 2**32)"))
 }
 
 fn check_range(index: usize, value: i128) -> PyResult<u32> {
     u32::try_from(value).map_err(|_| out_of_range(index, value))
 }
 
+/// The value of an exact `int` that fits 64 bits, read without the generic conversion
+/// machinery (this runs once per token of every list argument).
+fn exact_int(item: &Bound<'_, PyAny>) -> Option<i64> {
+    if !item.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    let mut overflow: std::ffi::c_int = 0;
+    // SAFETY: `item` is a live `int` object for the duration of the call; for an exact int
+    // this function reports out-of-range values through `overflow` and raises nothing.
+    let value = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(item.as_ptr(), &mut overflow) };
+    (overflow == 0).then_some(value)
+}
+
+type GetItem = unsafe extern "C" fn(
+    *mut pyo3::ffi::PyObject,
+    pyo3::ffi::Py_ssize_t,
+) -> *mut pyo3::ffi::PyObject;
+
+/// The fast path for the common argument, a list or tuple of in-range `int`s: one pass of
+/// borrowed reads, no reference counting (twice as fast as pyo3's checked iterator). `None`
+/// sends any other content to the checked path, which reports the first bad element.
+fn exact_ints<T>(seq: &Bound<'_, T>, get_item: GetItem) -> Option<Vec<u32>> {
+    if cfg!(Py_GIL_DISABLED) {
+        return None; // borrowed reads are not safe against other threads there
+    }
+    let len = seq.as_any().len().ok()?;
+    let mut out = Vec::with_capacity(len);
+    for index in 0..len {
+        // SAFETY: `seq` is a list or tuple matching `get_item` and `index < len`. The GIL is
+        // held (free-threaded builds returned above) and this loop runs no Python code, so no
+        // other thread can resize the sequence or free the borrowed item before it is read.
+        let item = unsafe { get_item(seq.as_ptr(), index as pyo3::ffi::Py_ssize_t) };
+        if item.is_null() {
+            // SAFETY: an index error was set; clear it and let the checked path decide.
+            unsafe { pyo3::ffi::PyErr_Clear() };
+            return None;
+        }
+        // SAFETY: `item` is a live object borrowed from the list.
+        if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
+            return None;
+        }
+        let mut overflow: std::ffi::c_int = 0;
+        // SAFETY: `item` is an exact int; overflow is reported through `overflow`.
+        let value = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow) };
+        out.push(u32::try_from(value).ok().filter(|_| overflow == 0)?);
+    }
+    Some(out)
+}
+
 fn token_from_item(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    if let Some(value) = exact_int(item) {
+        return check_range(index, i128::from(value));
+    }
     if item.is_instance_of::<PyBool>() {
         return Err(PyTypeError::new_err(format!(
             "token ids must be integers, got bool at index {index}"
@@ -125,11 +175,7 @@ fn from_ndarray<'py>(array: &Bound<'py, PyUntypedArray>) -> PyResult<TokenIds<'p
         }
     }
     // A non-native byte order: let numpy convert it to a native 64-bit type first.
-    let native = if dtype.kind() == b'u' {
-        "uint64"
-    } else {
-        "int64"
-    };
+    let native = if dtype.kind() == b'u' { "uint64" } else { "int64" };
     let converted = array.call_method1("astype", (native,))?;
     from_ndarray(converted.cast::<PyUntypedArray>()?)
 }
@@ -154,9 +200,15 @@ pub fn extract_token_ids<'py>(obj: &Bound<'py, PyAny>) -> PyResult<TokenIds<'py>
         return from_ndarray(array);
     }
     if let Ok(list) = obj.cast::<PyList>() {
+        if let Some(values) = exact_ints(list, pyo3::ffi::PyList_GetItem) {
+            return Ok(TokenIds::Owned(values));
+        }
         return from_iter(list.iter().map(Ok), list.len());
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
+        if let Some(values) = exact_ints(tuple, pyo3::ffi::PyTuple_GetItem) {
+            return Ok(TokenIds::Owned(values));
+        }
         return from_iter(tuple.iter().map(Ok), tuple.len());
     }
     if obj.is_instance_of::<PyString>()

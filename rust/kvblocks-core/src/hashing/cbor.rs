@@ -30,6 +30,18 @@ fn head(out: &mut Vec<u8>, major: u8, value: u64) {
     }
 }
 
+/// `head(out, MAJOR_UINT, t)` for the hot loop: token ids are u32, so at most five bytes.
+#[inline(always)]
+fn token(out: &mut Vec<u8>, t: u32) {
+    let be = t.to_be_bytes();
+    match t {
+        0..=23 => out.push(be[3]),
+        24..=0xff => out.extend_from_slice(&[24, be[3]]),
+        0x100..=0xffff => out.extend_from_slice(&[25, be[2], be[3]]),
+        _ => out.extend_from_slice(&[26, be[0], be[1], be[2], be[3]]),
+    }
+}
+
 fn len(n: usize) -> u64 {
     // usize is at most 64 bits on every supported target.
     n as u64
@@ -90,8 +102,9 @@ pub(crate) fn block(
     out.push(0x83);
     bytes(out, parent);
     head(out, MAJOR_ARRAY, len(tokens.len()));
+    out.reserve(5 * tokens.len() + 1);
     for &t in tokens {
-        head(out, MAJOR_UINT, u64::from(t));
+        token(out, t);
     }
     match extra_keys {
         None => out.push(NULL),
@@ -146,21 +159,12 @@ mod tests {
         let parent = [0xabu8; 32];
         let mut out = Vec::new();
         block(&mut out, &parent, &[1, 2, 3, 300, 70000], None);
-        assert_eq!(
-            hex(&out),
-            format!("835820{}850102031901{}", hex(&parent), "2c1a00011170f6")
-        );
+        assert_eq!(hex(&out), format!("835820{}850102031901{}", hex(&parent), "2c1a00011170f6"));
 
         let mut out = Vec::new();
         let keys = [
-            ExtraKey::Lora {
-                name: "L",
-                path: "/p",
-            },
-            ExtraKey::Mm {
-                identifier: "img0",
-                offset: 0,
-            },
+            ExtraKey::Lora { name: "L", path: "/p" },
+            ExtraKey::Mm { identifier: "img0", offset: 0 },
             ExtraKey::CacheSalt("s"),
         ];
         block(&mut out, &[], &[], Some(&keys));

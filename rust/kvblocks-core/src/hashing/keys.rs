@@ -78,11 +78,7 @@ impl RequestKeys {
             }
             previous_offset = feature.offset;
         }
-        Ok(Self {
-            lora,
-            cache_salt,
-            mm_features,
-        })
+        Ok(Self { lora, cache_salt, mm_features })
     }
 
     /// True when no block of the request carries extra keys (the hot, common case).
@@ -158,11 +154,7 @@ mod tests {
     use super::*;
 
     fn feature(id: &str, offset: usize, length: usize) -> MmFeature {
-        MmFeature {
-            identifier: id.to_owned(),
-            offset,
-            length,
-        }
+        MmFeature { identifier: id.to_owned(), offset, length }
     }
 
     fn keys_per_block(keys: &RequestKeys, block_size: usize, blocks: usize) -> Vec<Vec<String>> {

@@ -182,20 +182,12 @@ impl BlockHasher {
     /// `seed` must already be resolved (see [`resolve_seed`]).
     pub fn new(algo: HashAlgo, block_size: usize, seed: String) -> CoreResult<Self> {
         if block_size == 0 {
-            return Err(CoreError::InvalidSize {
-                what: "block_size (must be >= 1)",
-                value: 0,
-            });
+            return Err(CoreError::InvalidSize { what: "block_size (must be >= 1)", value: 0 });
         }
         let mut scratch = Vec::new();
         algo.encode_seed(&mut scratch, &seed);
         let none_hash = algo.digest(&scratch);
-        Ok(Self {
-            algo,
-            block_size,
-            seed,
-            none_hash,
-        })
+        Ok(Self { algo, block_size, seed, none_hash })
     }
 
     pub fn algo(&self) -> HashAlgo {
@@ -295,14 +287,8 @@ mod tests {
     fn published_none_hashes() {
         // vllm-semantics.md §1.2 (seed "vllm-none-hash").
         let cases = [
-            (
-                "sha256",
-                "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198",
-            ),
-            (
-                "sha256_cbor",
-                "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0",
-            ),
+            ("sha256", "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"),
+            ("sha256_cbor", "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"),
             ("xxhash", "d98f72b9c430d985211489af307f0229"),
             ("xxhash_cbor", "a4e364baa0791a6f63bbf917db9b700d"),
         ];
@@ -317,15 +303,9 @@ mod tests {
         let h = hasher("sha256_cbor", 5);
         let mut scratch = Vec::new();
         let h0 = h.hash_block(None, &[1, 2, 3, 300, 70000], None, &mut scratch);
-        assert_eq!(
-            hex(&h0),
-            "64a2177cdc4ad13cf6ff4c78a138c067abc894a027eb7755378d1ce49db50e0d"
-        );
+        assert_eq!(hex(&h0), "64a2177cdc4ad13cf6ff4c78a138c067abc894a027eb7755378d1ce49db50e0d");
         let h1 = h.hash_block(Some(h0.as_bytes()), &[4, 5, 6, 7, 8], None, &mut scratch);
-        assert_eq!(
-            hex(&h1),
-            "f68aa1ec5519be54e8ad54458b4bac1c35fd8ad26ce57beae235d321810563c7"
-        );
+        assert_eq!(hex(&h1), "f68aa1ec5519be54e8ad54458b4bac1c35fd8ad26ce57beae235d321810563c7");
         assert_eq!(h0.external_u64(), 4002887412026248717);
 
         let h4 = hasher("sha256_cbor", 4);
@@ -350,10 +330,7 @@ mod tests {
     fn published_pickle_vector() {
         let h = hasher("sha256", 5);
         let h0 = h.hash_block(None, &[1, 2, 3, 300, 70000], None, &mut Vec::new());
-        assert_eq!(
-            hex(&h0),
-            "060e374a2428d3ade297b9b4f3bf39df08580aa75cc8d93f5983e9f8b10b08a0"
-        );
+        assert_eq!(hex(&h0), "060e374a2428d3ade297b9b4f3bf39df08580aa75cc8d93f5983e9f8b10b08a0");
     }
 
     #[test]
@@ -373,10 +350,7 @@ mod tests {
         let xx = HashAlgo::XxhashCbor;
         assert_eq!(resolve_seed(sha, None, None).unwrap(), DEFAULT_SEED);
         assert_eq!(resolve_seed(sha, None, Some("0".into())).unwrap(), "0");
-        assert_eq!(
-            resolve_seed(xx, Some("s".into()), Some("0".into())).unwrap(),
-            "s"
-        );
+        assert_eq!(resolve_seed(xx, Some("s".into()), Some("0".into())).unwrap(), "s");
         let a = resolve_seed(xx, None, None).unwrap();
         let b = resolve_seed(xx, None, None).unwrap();
         assert_eq!(a.len(), 64);
@@ -387,9 +361,6 @@ mod tests {
     fn zero_block_size_is_refused() {
         let err = BlockHasher::new(HashAlgo::Sha256Cbor, 0, DEFAULT_SEED.into()).unwrap_err();
         assert!(matches!(err, CoreError::InvalidSize { .. }));
-        assert!(matches!(
-            HashAlgo::from_name("md5"),
-            Err(CoreError::UnknownHashAlgorithm(_))
-        ));
+        assert!(matches!(HashAlgo::from_name("md5"), Err(CoreError::UnknownHashAlgorithm(_))));
     }
 }

@@ -58,12 +58,7 @@ struct Pickler<'o, 'k> {
 impl<'o, 'k> Pickler<'o, 'k> {
     fn new(out: &'o mut Vec<u8>) -> Self {
         out.extend_from_slice(&[PROTO, 5]);
-        Self {
-            out,
-            frame_start: None,
-            memo_len: 0,
-            shared: Vec::new(),
-        }
+        Self { out, frame_start: None, memo_len: 0, shared: Vec::new() }
     }
 
     fn write(&mut self, data: &[u8]) {
@@ -203,6 +198,34 @@ impl<'o, 'k> Pickler<'o, 'k> {
         }
     }
 
+    /// The token ints of a tuple. When they cannot reach the frame size target, no frame can
+    /// close among them, so they are written without the per-object frame check.
+    fn tokens(&mut self, tokens: &[u32]) {
+        const MAX_TOKEN_BYTES: usize = 7; // LONG1 of a u32: opcode, length, 5 bytes
+        let open_frame_len = match self.frame_start {
+            Some(start) => self.out.len() - start - FRAME_HEADER_SIZE,
+            None => FRAME_SIZE_TARGET, // no open frame: take the general path
+        };
+        if open_frame_len + MAX_TOKEN_BYTES * tokens.len() >= FRAME_SIZE_TARGET {
+            for &t in tokens {
+                self.int(i64::from(t));
+            }
+            return;
+        }
+        self.out.reserve(MAX_TOKEN_BYTES * tokens.len());
+        for &t in tokens {
+            let le = t.to_le_bytes();
+            match t {
+                0..=0xff => self.out.extend_from_slice(&[BININT1, le[0]]),
+                0x100..=0xffff => self.out.extend_from_slice(&[BININT2, le[0], le[1]]),
+                0x1_0000..=0x7fff_ffff => {
+                    self.out.extend_from_slice(&[BININT, le[0], le[1], le[2], le[3]]);
+                }
+                _ => self.out.extend_from_slice(&[LONG1, 5, le[0], le[1], le[2], le[3], 0]),
+            }
+        }
+    }
+
     fn none(&mut self) {
         self.begin_object();
         self.write(&[NONE]);
@@ -274,9 +297,7 @@ pub(crate) fn block<'k>(
     p.open_tuple(3);
     p.bytes(parent);
     p.open_tuple(tokens.len());
-    for &t in tokens {
-        p.int(i64::from(t));
-    }
+    p.tokens(tokens);
     p.close_tuple(tokens.len());
     match extra_keys {
         None => p.none(),
@@ -327,25 +348,15 @@ mod tests {
         text(&mut out, "vllm-none-hash");
         assert_eq!(
             hex(&out),
-            format!(
-                "8005951200000000000000 8c0e{} 94 2e",
-                hex(b"vllm-none-hash")
-            )
-            .replace(' ', "")
+            format!("8005951200000000000000 8c0e{} 94 2e", hex(b"vllm-none-hash")).replace(' ', "")
         );
     }
 
     #[test]
     fn repeated_tag_is_a_back_reference() {
         let keys = [
-            ExtraKey::Mm {
-                identifier: "aaa",
-                offset: -5,
-            },
-            ExtraKey::Mm {
-                identifier: "bbb",
-                offset: 14,
-            },
+            ExtraKey::Mm { identifier: "aaa", offset: -5 },
+            ExtraKey::Mm { identifier: "bbb", offset: 14 },
         ];
         let mut out = Vec::new();
         block(&mut out, &[9; 2], &[], Some(&keys));

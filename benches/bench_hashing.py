@@ -1,0 +1,89 @@
+"""Block hashing: kvblocks (Rust) against its pure-Python twin, in one run.
+
+    pytest benches/bench_hashing.py --benchmark-columns=median,iqr,rounds [--ratios-md FILE]
+
+Cases: hash a whole prompt of 1k, 8k and 32k tokens with each algorithm, and decode-style
+appends of one token at a time up to 4k tokens. Variants:
+
+- ``rust`` / ``rust-numpy``: ``kvblocks.BlockHasher.hash_blocks`` on a list / a uint32 array;
+- ``twin``: ``kvblocks.reference.BlockHasher.hash_blocks`` on the same list (the same API,
+  including the same input checks);
+- ``vllm-loop`` (where noted): the twin's bare chain loop, i.e. vLLM's own per-block work
+  (tuple, serialize, digest) with no input checks: the conservative baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import kvblocks
+import kvblocks.reference as ref
+import numpy as np
+import pytest
+from kvblocks.reference.hashing import BlockChain, RequestKeys
+from kvblocks.workloads import random_prompt
+
+SIZES = [1024, 8192, 32768]
+SEED = "bench"
+
+
+def _run(
+    benchmark: Any, case: str, impl: str, fn: Callable[[], object], baselines: list[str]
+) -> None:
+    """Benchmarks ``fn``; the summary divides each ``baselines`` entry (``impl`` of this case,
+    or ``case::impl``) by it."""
+    benchmark.group = case
+    pairs = [b.split("::")[::-1] if "::" in b else [case, b] for b in baselines]
+    benchmark.extra_info.update(case=case, impl=impl, baselines=pairs)
+    benchmark(fn)
+
+
+@pytest.mark.parametrize("algo", kvblocks.HASH_ALGORITHMS)
+@pytest.mark.parametrize("num_tokens", SIZES)
+@pytest.mark.parametrize("impl", ["rust", "rust-numpy", "twin", "vllm-loop"])
+def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> None:
+    tokens = random_prompt(num_tokens)
+    case = f"hash {num_tokens // 1024}k tokens, {algo}"
+    rust_baselines = ["twin", "vllm-loop"]
+    if algo == "xxh3_128":  # the fast mode against vLLM's default-portable algorithm
+        rust_baselines.append(f"twin::hash {num_tokens // 1024}k tokens, sha256_cbor")
+    if impl == "rust":
+        hasher = kvblocks.BlockHasher(algo, seed=SEED)
+        _run(benchmark, case, impl, lambda: hasher.hash_blocks(tokens), rust_baselines)
+    elif impl == "rust-numpy":
+        hasher = kvblocks.BlockHasher(algo, seed=SEED)
+        array = np.array(tokens, dtype=np.uint32)
+        _run(benchmark, case, impl, lambda: hasher.hash_blocks(array), rust_baselines)
+    elif impl == "twin":
+        twin = ref.BlockHasher(algo, seed=SEED)
+        _run(benchmark, case, impl, lambda: twin.hash_blocks(tokens), [])
+    else:
+        twin = ref.BlockHasher(algo, seed=SEED)
+        keys = RequestKeys()
+        _run(benchmark, case, impl, lambda: BlockChain(twin, keys).extend(tokens), [])
+
+
+@pytest.mark.parametrize("impl", ["rust", "twin"])
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxh3_128"])
+def test_decode_appends(benchmark: Any, impl: str, algo: str) -> None:
+    """A 16-token prompt grown to 4k tokens one token per call, as a decode loop does."""
+    module = kvblocks if impl == "rust" else ref
+    hasher = module.BlockHasher(algo, seed=SEED)
+    tokens = random_prompt(4096)
+
+    def decode() -> None:
+        seq = module.TokenSequence(tokens[:16], hasher=hasher)
+        for t in tokens[16:]:
+            seq.append_token_ids(t)
+
+    baselines = ["twin"] if impl == "rust" else []
+    _run(benchmark, f"decode 4k tokens one at a time, {algo}", impl, decode, baselines)
+
+
+def test_twin_and_rust_agree_on_the_benchmark_workload() -> None:
+    """The benchmarked variants compute the same hashes (a fast check, runs with the suite)."""
+    tokens = random_prompt(4096)
+    for algo in kvblocks.HASH_ALGORITHMS:
+        expected = ref.BlockHasher(algo, seed=SEED).hash_blocks(tokens)
+        assert kvblocks.BlockHasher(algo, seed=SEED).hash_blocks(np.array(tokens)) == expected

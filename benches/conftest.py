@@ -1,0 +1,56 @@
+"""Prints (and with ``--ratios-md FILE`` saves) the speed-up of each kvblocks variant over
+the pure-Python twin, from the medians pytest-benchmark measured in this same run.
+
+Each benchmark names itself in ``benchmark.extra_info``: ``case`` (the workload), ``impl``
+(the variant) and ``baselines``, a list of ``[case, impl]`` pairs to divide by.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--ratios-md", default=None, help="write the ratio table as markdown here")
+
+
+def _ratio_rows(benchmarks: list[Any]) -> list[tuple[str, str, str, float]]:
+    by_key = {
+        (b.extra_info["case"], b.extra_info["impl"]): b
+        for b in benchmarks
+        if "case" in b.extra_info
+    }
+    rows = []
+    for (case, impl), bench in by_key.items():
+        for base_case, base_impl in bench.extra_info.get("baselines", []):
+            baseline = by_key.get((base_case, base_impl))
+            if baseline is None:
+                continue
+            label = base_impl if base_case == case else f"{base_impl} ({base_case})"
+            rows.append((case, impl, label, baseline.stats.median / bench.stats.median))
+    return rows
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    session = getattr(config, "_benchmarksession", None)
+    if session is None or not session.benchmarks:
+        return
+    rows = _ratio_rows(session.benchmarks)
+    if not rows:
+        return
+    lines = [
+        "| workload | kvblocks variant | baseline | speed-up (median / median) |",
+        "|---|---|---|---:|",
+    ]
+    lines += [f"| {c} | {i} | {b} | {r:,.1f}x |" for c, i, b, r in rows]
+    terminalreporter.write_sep("=", "kvblocks speed-up over the pure-Python twin (same run)")
+    for line in lines:
+        terminalreporter.write_line(line)
+    path = config.getoption("--ratios-md")
+    if path:
+        Path(path).write_text("\n".join(lines) + "\n")
+        terminalreporter.write_line(f"saved to {path}")
