@@ -1,0 +1,5 @@
+import sys
+
+from kvblocks.cli import main
+
+sys.exit(main())
