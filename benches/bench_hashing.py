@@ -6,6 +6,7 @@ Cases: hash a whole prompt of 1k, 8k and 32k tokens with each algorithm, and dec
 appends of one token at a time up to 4k tokens. Variants:
 
 - ``rust`` / ``rust-numpy``: ``kvblocks.BlockHasher.hash_blocks`` on a list / a uint32 array;
+- ``rust-numpy-array``: ``hash_blocks_array`` on a uint32 array (no Python object per block);
 - ``twin``: ``kvblocks.reference.BlockHasher.hash_blocks`` on the same list (the same API,
   including the same input checks);
 - ``vllm-loop`` (where noted): the twin's bare chain loop, i.e. vLLM's own per-block work
@@ -17,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import kvblocks
-import kvblocks.reference as ref
 import numpy as np
 import pytest
+
+import kvblocks
+import kvblocks.reference as ref
 from kvblocks.reference.hashing import BlockChain, RequestKeys
 from kvblocks.workloads import random_prompt
 
@@ -41,7 +43,7 @@ def _run(
 
 @pytest.mark.parametrize("algo", kvblocks.HASH_ALGORITHMS)
 @pytest.mark.parametrize("num_tokens", SIZES)
-@pytest.mark.parametrize("impl", ["rust", "rust-numpy", "twin", "vllm-loop"])
+@pytest.mark.parametrize("impl", ["rust", "rust-numpy", "rust-numpy-array", "twin", "vllm-loop"])
 def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> None:
     tokens = random_prompt(num_tokens)
     case = f"hash {num_tokens // 1024}k tokens, {algo}"
@@ -55,6 +57,10 @@ def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> N
         hasher = kvblocks.BlockHasher(algo, seed=SEED)
         array = np.array(tokens, dtype=np.uint32)
         _run(benchmark, case, impl, lambda: hasher.hash_blocks(array), rust_baselines)
+    elif impl == "rust-numpy-array":
+        hasher = kvblocks.BlockHasher(algo, seed=SEED)
+        array = np.array(tokens, dtype=np.uint32)
+        _run(benchmark, case, impl, lambda: hasher.hash_blocks_array(array), rust_baselines)
     elif impl == "twin":
         twin = ref.BlockHasher(algo, seed=SEED)
         _run(benchmark, case, impl, lambda: twin.hash_blocks(tokens), [])

@@ -10,10 +10,11 @@ from types import ModuleType
 from typing import Any
 
 import cbor2
-import kvblocks
-import kvblocks.reference
 import pytest
 import xxhash
+
+import kvblocks
+import kvblocks.reference
 
 VLLM_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 

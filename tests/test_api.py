@@ -9,11 +9,11 @@ import sys
 import threading
 from types import ModuleType
 
-import kvblocks
-import kvblocks.reference as ref
 import numpy as np
 import pytest
 
+import kvblocks
+import kvblocks.reference as ref
 from tests.conftest import oracle_none_hash
 
 
@@ -99,6 +99,19 @@ def test_explicit_seed_wins_and_secrets_are_per_hasher(
     a, b = impl.BlockHasher("xxhash_cbor"), impl.BlockHasher("xxhash_cbor")
     assert a.seed != b.seed
     assert a.hash_blocks(range(16)) != b.hash_blocks(range(16))
+
+
+def test_hash_blocks_array_matches_the_list(impl: ModuleType) -> None:
+    for algo in ("sha256_cbor", "xxh3_128"):
+        hasher = impl.BlockHasher(algo, block_size=4, seed="s")
+        hashes = hasher.hash_blocks(range(18), cache_salt="t")
+        array = hasher.hash_blocks_array(range(18), cache_salt="t")
+        assert array.dtype == np.uint8
+        assert array.shape == (4, hasher.digest_size)
+        assert [row.tobytes() for row in array] == hashes
+        assert hasher.hash_blocks_array([1, 2, 3]).shape == (0, hasher.digest_size)
+    with pytest.raises(ValueError):
+        hasher.hash_blocks_array([-1])
 
 
 def test_prompt_view_is_zero_copy_read_only_and_outlives_appends() -> None:

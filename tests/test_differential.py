@@ -6,10 +6,11 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import kvblocks
-import kvblocks.reference as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import kvblocks
+import kvblocks.reference as ref
 
 ALGOS = st.sampled_from(kvblocks.HASH_ALGORITHMS)
 TOKEN = st.one_of(

@@ -12,7 +12,10 @@ from typing import Any
 
 import cbor2
 import pytest
+import xxhash
 
+import kvblocks
+import kvblocks.reference
 from tests.conftest import VLLM_ALGOS, oracle_block, oracle_none_hash
 
 DATA = Path(__file__).parent / "data" / "vllm-0.33-hash-vectors.json"
@@ -160,26 +163,24 @@ def test_pickle_frames_of_huge_blocks(impl: ModuleType, algo: str) -> None:
     assert sum(op.name == "FRAME" for op in frames) >= 2
 
 
-def test_native_layout_vector() -> None:
-    """A fixed xxh3_128 vector, so the layout cannot drift unnoticed (README contract)."""
-    import kvblocks
-    import xxhash
-
-    h = kvblocks.BlockHasher("xxh3_128", block_size=2, seed="kvblocks")
+def test_native_layout_vectors() -> None:
+    """The README's xxh3_128 vectors (digests from the xxhash package over the documented
+    layout), so that the contract cannot drift unnoticed."""
     none_hash = xxhash.xxh3_128_digest(b"kvblocks")
-    assert h.none_hash == none_hash
-    expected_input = (
-        (16).to_bytes(8, "little")
-        + none_hash
-        + (2).to_bytes(8, "little")
-        + (1).to_bytes(4, "little")
-        + (2**32 - 1).to_bytes(4, "little")
-        + b"\x01"
-        + (1).to_bytes(8, "little")
-        + b"\x03"
-        + (4).to_bytes(8, "little")
-        + b"salt"
+    assert none_hash.hex() == "0fde48fe3772fb5e4d95cd0861476920"
+    salted_input = bytes.fromhex(
+        "1000000000000000" + none_hash.hex() + "0200000000000000" + "01000000" + "ffffffff"
+        "01" + "0100000000000000" + "03" + "0400000000000000" + b"salt".hex()
     )
-    assert h.hash_blocks([1, 2**32 - 1], cache_salt="salt") == [
-        xxhash.xxh3_128_digest(expected_input)
-    ]
+    plain_input = bytes.fromhex(
+        "1000000000000000" + none_hash.hex() + "0200000000000000" + "01000000" + "02000000" + "00"
+    )
+    assert xxhash.xxh3_128_digest(salted_input).hex() == "363c04a66af98b3dbac01aaa6614aa17"
+    assert xxhash.xxh3_128_digest(plain_input).hex() == "52bb13f999fd8adf73bb0ce931952631"
+    for impl in (kvblocks, kvblocks.reference):
+        h = impl.BlockHasher("xxh3_128", block_size=2, seed="kvblocks")
+        assert h.none_hash == none_hash
+        assert h.hash_blocks([1, 2**32 - 1], cache_salt="salt")[0].hex() == (
+            "363c04a66af98b3dbac01aaa6614aa17"
+        )
+        assert h.hash_block(None, [1, 2]).hex() == "52bb13f999fd8adf73bb0ce931952631"

@@ -7,10 +7,11 @@ import array
 from types import ModuleType
 from typing import Any
 
-import kvblocks
-import kvblocks.reference as ref
 import numpy as np
 import pytest
+
+import kvblocks
+import kvblocks.reference as ref
 
 TOKENS = [5, 0, 2**32 - 1, 70000, 300, 24, 23, 1]
 

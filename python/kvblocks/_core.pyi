@@ -61,6 +61,15 @@ class BlockHasher:
         lora: tuple[str, str] | None = None,
         mm_features: Sequence[_MmFeature] | None = None,
     ) -> list[bytes]: ...
+    def hash_blocks_array(
+        self,
+        token_ids: _TokenIds,
+        /,
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        mm_features: Sequence[_MmFeature] | None = None,
+    ) -> npt.NDArray[np.uint8]: ...
 
 @final
 class TokenSequence:

@@ -11,6 +11,9 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from kvblocks.reference._args import int_arg, size_arg, str_arg
 from kvblocks.reference._args import token_ids as as_token_ids
 
@@ -285,6 +288,21 @@ class BlockHasher:
         chain = BlockChain(self, RequestKeys(cache_salt, lora, mm_features))
         chain.extend(tokens)
         return chain.hashes
+
+    def hash_blocks_array(
+        self,
+        token_ids: Any,
+        /,
+        *,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        mm_features: Any = None,
+    ) -> npt.NDArray[np.uint8]:
+        hashes = self.hash_blocks(
+            token_ids, cache_salt=cache_salt, lora=lora, mm_features=mm_features
+        )
+        flat = np.frombuffer(b"".join(hashes), dtype=np.uint8)
+        return flat.reshape(len(hashes), self.digest_size).copy()
 
     def __repr__(self) -> str:
         return f"BlockHasher(algo={self._algo!r}, block_size={self._block_size})"

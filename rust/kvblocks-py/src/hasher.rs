@@ -5,6 +5,7 @@ use crate::errors::to_py;
 use crate::keys::{extract_extra_keys, request_keys};
 use crate::tokens::extract_token_ids;
 use kvblocks_core::{resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo};
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use std::sync::Arc;
@@ -30,6 +31,30 @@ pub fn hash_list<'py>(py: Python<'py>, hashes: &[BlockHash]) -> PyResult<Bound<'
 
 fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
     py.import("os")?.getattr("environ")?.call_method1("get", ("PYTHONHASHSEED",))?.extract()
+}
+
+impl PyBlockHasher {
+    /// The shared body of `hash_blocks` and `hash_blocks_array`.
+    fn compute(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora: Option<&Bound<'_, PyAny>>,
+        mm_features: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<BlockHash>> {
+        let tokens = extract_token_ids(token_ids)?;
+        let keys = request_keys(cache_salt, lora, mm_features)?;
+        let tokens = tokens.as_slice();
+        let hasher = &self.inner;
+        Ok(if tokens.len() >= DETACH_MIN_TOKENS {
+            // The slice may borrow a numpy array in place: like hashlib reading a buffer
+            // without the GIL, a concurrent writer to that array is the caller's race.
+            py.detach(|| hasher.hash_blocks(tokens, &keys))
+        } else {
+            hasher.hash_blocks(tokens, &keys)
+        })
+    }
 }
 
 #[pymethods]
@@ -104,18 +129,25 @@ impl PyBlockHasher {
         lora: Option<&Bound<'py, PyAny>>,
         mm_features: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let tokens = extract_token_ids(token_ids)?;
-        let keys = request_keys(cache_salt, lora, mm_features)?;
-        let tokens = tokens.as_slice();
-        let hasher = &self.inner;
-        let hashes = if tokens.len() >= DETACH_MIN_TOKENS {
-            // The slice may borrow a numpy array in place: like hashlib reading a buffer
-            // without the GIL, a concurrent writer to that array is the caller's race.
-            py.detach(|| hasher.hash_blocks(tokens, &keys))
-        } else {
-            hasher.hash_blocks(tokens, &keys)
-        };
+        let hashes = self.compute(py, token_ids, cache_salt, lora, mm_features)?;
         hash_list(py, &hashes)
+    }
+
+    /// Like `hash_blocks`, as one `(num_blocks, digest_size)` uint8 array: no Python object
+    /// per block.
+    #[pyo3(signature = (token_ids, /, *, cache_salt = None, lora = None, mm_features = None))]
+    fn hash_blocks_array<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'py, PyAny>,
+        cache_salt: Option<&Bound<'py, PyAny>>,
+        lora: Option<&Bound<'py, PyAny>>,
+        mm_features: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray2<u8>>> {
+        let hashes = self.compute(py, token_ids, cache_salt, lora, mm_features)?;
+        let width = self.inner.algo().digest_size();
+        let flat: Vec<u8> = hashes.iter().flat_map(|h| h.as_bytes().iter().copied()).collect();
+        PyArray1::from_vec(py, flat).reshape([hashes.len(), width])
     }
 
     fn __repr__(&self) -> String {

@@ -34,8 +34,12 @@ pub(crate) fn block(
     out.reserve(17 + parent.len() + 4 * tokens.len());
     sized(out, parent);
     len(out, tokens.len());
-    for &t in tokens {
-        out.extend_from_slice(&t.to_le_bytes());
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(tokens)); // already u32 little-endian
+    } else {
+        for &t in tokens {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
     }
     let Some(keys) = extra_keys else {
         out.push(0x00);
