@@ -76,7 +76,7 @@ def bench(args: argparse.Namespace) -> int:
             )
     decode_tokens = random_prompt(args.decode_tokens, seed=0)
     for algo in args.algo:
-        workload = f"append {args.decode_tokens:,} tokens one by one"
+        workload = f"grow to {args.decode_tokens:,} tokens, 1 per call"
         cases.append((workload, algo, _decode(algo, args.block_size, decode_tokens)))
 
     rows: list[tuple[str, str, float, float | None]] = []
