@@ -7,15 +7,23 @@ pure-Python twin with the same API and results.
 from kvblocks._core import (
     HASH_ALGORITHMS,
     BlockHasher,
+    BlockManager,
     KvBlocksError,
     TokenSequence,
     __version__,
 )
+from kvblocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvblocks.stats import PrefixCacheStats
 
 __all__ = [
     "HASH_ALGORITHMS",
+    "AllBlocksCleared",
     "BlockHasher",
+    "BlockManager",
+    "BlockRemoved",
+    "BlockStored",
     "KvBlocksError",
+    "PrefixCacheStats",
     "TokenSequence",
     "__version__",
 ]

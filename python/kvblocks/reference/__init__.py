@@ -4,6 +4,7 @@ the baseline for every benchmark. The vLLM algorithms need ``cbor2`` and ``xxhas
 (``pip install kvblocks[reference]``)."""
 
 from kvblocks.reference.hashing import HASH_ALGORITHMS, BlockHasher
+from kvblocks.reference.manager import BlockManager
 from kvblocks.reference.sequence import TokenSequence
 
-__all__ = ["HASH_ALGORITHMS", "BlockHasher", "TokenSequence"]
+__all__ = ["HASH_ALGORITHMS", "BlockHasher", "BlockManager", "TokenSequence"]

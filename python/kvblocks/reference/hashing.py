@@ -318,6 +318,12 @@ class BlockChain:
         self.hashes: list[bytes] = []
         self._mm_idx = 0
 
+    def clone(self) -> BlockChain:
+        chain = BlockChain(self.hasher, self.keys)
+        chain.hashes = list(self.hashes)
+        chain._mm_idx = self._mm_idx
+        return chain
+
     def extend(self, all_tokens: list[int]) -> None:
         """Hashes every block of ``all_tokens`` (the request's tokens so far) that became full."""
         size = self.hasher.block_size

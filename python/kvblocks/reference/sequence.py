@@ -46,6 +46,30 @@ class TokenSequence:
         self._chain = BlockChain(hasher, keys)
         self._chain.extend(self._all)
 
+    @classmethod
+    def _from_checked(
+        cls, prompt: list[int], hasher: BlockHasher, keys: RequestKeys
+    ) -> TokenSequence:
+        """A sequence from already-validated arguments (for the block manager)."""
+        seq = cls.__new__(cls)
+        seq._hasher = hasher
+        seq._prompt = tuple(prompt)
+        seq._prompt_array = _read_only(prompt)
+        seq._all = list(prompt)
+        seq._chain = BlockChain(hasher, keys)
+        seq._chain.extend(seq._all)
+        return seq
+
+    def _clone(self) -> TokenSequence:
+        """An independent copy with the same tokens and hashes (for forks)."""
+        seq = TokenSequence.__new__(TokenSequence)
+        seq._hasher = self._hasher
+        seq._prompt = self._prompt
+        seq._prompt_array = self._prompt_array
+        seq._all = list(self._all)
+        seq._chain = self._chain.clone()
+        return seq
+
     def append_token_ids(self, token_ids: Any, /) -> None:
         self._all.extend(one_or_many_token_ids(token_ids))
         self._chain.extend(self._all)

@@ -16,6 +16,12 @@ pub enum CoreError {
     OutOfRange { what: &'static str, value: usize, limit: usize },
     /// The operating system could not provide randomness for a secret seed.
     Randomness(String),
+    /// No request has this id.
+    UnknownRequest(String),
+    /// A request with this id already exists.
+    DuplicateRequest(String),
+    /// An argument is inconsistent with the manager's state (the message says how).
+    InvalidArgument(String),
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
@@ -34,6 +40,9 @@ impl fmt::Display for CoreError {
                 write!(f, "{what} {value} is out of range (at most {limit})")
             }
             Self::Randomness(msg) => write!(f, "cannot draw a random seed: {msg}"),
+            Self::UnknownRequest(id) => write!(f, "unknown request id {id:?}"),
+            Self::DuplicateRequest(id) => write!(f, "request id {id:?} already exists"),
+            Self::InvalidArgument(msg) => f.write_str(msg),
         }
     }
 }

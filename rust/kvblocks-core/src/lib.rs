@@ -1,16 +1,23 @@
 //! kvblocks-core: the pure-Rust engine of kvblocks.
 //!
-//! It owns vLLM-compatible chained block hashing ([`hashing`]) and the per-request token
-//! buffers that hash new full blocks as tokens arrive ([`TokenSequence`]). Nothing here
+//! It owns vLLM-compatible chained block hashing ([`hashing`]), the per-request token
+//! buffers that hash new full blocks as tokens arrive ([`TokenSequence`]), and the block pool
+//! and block tables of a prefix-caching KV cache ([`pool`], [`BlockManager`]). Nothing here
 //! knows about Python; the `kvblocks-py` crate is a thin PyO3 layer over this crate.
 
 mod error;
+mod free_queue;
 pub mod hashing;
+mod manager;
+pub mod pool;
 mod sequence;
+mod stats;
 
 pub use error::{CoreError, CoreResult};
 pub use hashing::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, MmFeature, RequestKeys, DEFAULT_SEED,
     HASH_ALGORITHMS,
 };
+pub use manager::{BlockManager, ManagerConfig};
 pub use sequence::TokenSequence;
+pub use stats::PrefixCacheStats;

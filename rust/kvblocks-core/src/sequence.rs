@@ -104,6 +104,15 @@ impl TokenSequence {
         &self.block_hashes
     }
 
+    /// The tokens at positions `[start, end)` (clamped to the tokens that exist).
+    pub fn tokens_in(&self, start: usize, end: usize) -> impl Iterator<Item = u32> + '_ {
+        let p = self.prompt.len();
+        let from_prompt = self.prompt.get(start.min(p)..end.min(p)).unwrap_or_default();
+        let (os, oe) = (start.saturating_sub(p), end.saturating_sub(p).min(self.output.len()));
+        let from_output = self.output.get(os.min(oe)..oe).unwrap_or_default();
+        from_prompt.iter().chain(from_output).copied()
+    }
+
     /// All tokens, prompt then output.
     pub fn token_ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.prompt.iter().chain(self.output.iter()).copied()

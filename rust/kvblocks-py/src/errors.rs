@@ -2,7 +2,7 @@
 
 use kvblocks_core::CoreError;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{PyException, PyKeyError, PyValueError};
 use pyo3::PyErr;
 
 create_exception!(
@@ -19,7 +19,11 @@ pub fn to_py(err: CoreError) -> PyErr {
         CoreError::UnknownHashAlgorithm(_)
         | CoreError::InvalidSize { .. }
         | CoreError::InvalidMmFeature(_)
-        | CoreError::OutOfRange { .. } => PyValueError::new_err(err.to_string()),
+        | CoreError::OutOfRange { .. }
+        | CoreError::InvalidArgument(_) => PyValueError::new_err(err.to_string()),
+        CoreError::UnknownRequest(_) | CoreError::DuplicateRequest(_) => {
+            PyKeyError::new_err(err.to_string())
+        }
         CoreError::Randomness(_) => KvBlocksError::new_err(err.to_string()),
     }
 }

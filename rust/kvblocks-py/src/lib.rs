@@ -5,6 +5,7 @@ mod args;
 mod errors;
 mod hasher;
 mod keys;
+mod manager;
 mod sequence;
 mod tokens;
 
@@ -19,5 +20,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KvBlocksError", m.py().get_type::<errors::KvBlocksError>())?;
     m.add_class::<hasher::PyBlockHasher>()?;
     m.add_class::<sequence::PyTokenSequence>()?;
+    m.add_class::<manager::PyBlockManager>()?;
     Ok(())
 }

@@ -5,7 +5,7 @@
 
 mod cbor;
 mod keys;
-mod native;
+pub(crate) mod native;
 mod pickle;
 
 pub use keys::{ExtraKey, MmFeature, RequestKeys};

@@ -41,6 +41,12 @@ pub(crate) fn block(
             out.extend_from_slice(&t.to_le_bytes());
         }
     }
+    keys(out, extra_keys);
+}
+
+/// The `keys` part of the layout alone (also how a verifying block manager stores a block's
+/// extra keys for exact comparison).
+pub(crate) fn keys(out: &mut Vec<u8>, extra_keys: Option<&[ExtraKey<'_>]>) {
     let Some(keys) = extra_keys else {
         out.push(0x00);
         return;

@@ -1,0 +1,509 @@
+//! The KV-cache block manager: per-request token buffers and block tables over one
+//! [`BlockPool`], with vLLM 0.33's `KVCacheManager` rules for a single full-attention group,
+//! plus copy-on-write forks and token-verified prefix hits.
+
+use crate::hashing::native;
+use crate::pool::{BlockPool, BlockStored, EventKey, KvEvent, NULL_BLOCK};
+use crate::{BlockHash, BlockHasher, CoreError, CoreResult, ExtraKey, PrefixCacheStats};
+use crate::{RequestKeys, TokenSequence};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// How a manager is built; see [`BlockManager::new`].
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    pub num_blocks: usize,
+    pub enable_caching: bool,
+    pub max_model_len: Option<usize>,
+    /// Fraction of the blocks kept free when admitting a request while others run.
+    pub watermark: f64,
+    pub log_stats: bool,
+    pub enable_events: bool,
+    /// Accept a prefix hit only when the block's tokens, parent and extra keys match.
+    pub verify_tokens: bool,
+    /// Testing only: register blocks under the first `n` bytes of their hash (the rest
+    /// zeroed), so that unrelated blocks collide.
+    pub debug_key_bytes: Option<usize>,
+}
+
+#[derive(Debug, Clone)]
+struct Request {
+    seq: TokenSequence,
+    blocks: Vec<u32>,
+    /// Leading blocks already registered in the cache (vLLM's `num_cached_block`).
+    num_cached_blocks: usize,
+    num_computed_tokens: usize,
+    /// Holds an allocation (scheduled since its last `free`).
+    running: bool,
+    num_preemptions: u32,
+}
+
+/// What a verifying manager remembers of each cached block.
+#[derive(Debug, Clone)]
+struct Provenance {
+    tokens: Vec<u32>,
+    parent: Vec<u32>,
+    keys: Vec<Option<Box<[u8]>>>,
+}
+
+const NO_PARENT: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+pub struct BlockManager {
+    config: ManagerConfig,
+    hasher: Arc<BlockHasher>,
+    block_size: usize,
+    max_model_len: usize,
+    watermark_blocks: usize,
+    pool: BlockPool,
+    requests: HashMap<String, Request>,
+    stats: Option<PrefixCacheStats>,
+    copies: Vec<[u32; 2]>,
+    provenance: Option<Provenance>,
+}
+
+fn invalid(msg: impl Into<String>) -> CoreError {
+    CoreError::InvalidArgument(msg.into())
+}
+
+impl BlockManager {
+    /// `config.num_blocks` includes the null block (id 0), as in vLLM.
+    pub fn new(config: ManagerConfig, hasher: Arc<BlockHasher>) -> CoreResult<Self> {
+        let num_blocks = u32::try_from(config.num_blocks)
+            .ok()
+            .filter(|n| *n >= 1 && *n < u32::MAX)
+            .ok_or(CoreError::InvalidSize { what: "num_blocks", value: config.num_blocks })?;
+        if !(0.0..=1.0).contains(&config.watermark) {
+            return Err(invalid(format!("watermark must be in [0, 1], got {}", config.watermark)));
+        }
+        if config.max_model_len == Some(0) {
+            return Err(CoreError::InvalidSize { what: "max_model_len (must be >= 1)", value: 0 });
+        }
+        let block_size = hasher.block_size();
+        let provenance = config.verify_tokens.then(|| Provenance {
+            tokens: vec![0; config.num_blocks.saturating_mul(block_size)],
+            parent: vec![NO_PARENT; config.num_blocks],
+            keys: vec![None; config.num_blocks],
+        });
+        Ok(Self {
+            pool: BlockPool::new(num_blocks, config.enable_caching, config.enable_events),
+            watermark_blocks: (config.watermark * config.num_blocks as f64) as usize,
+            max_model_len: config.max_model_len.unwrap_or(usize::MAX),
+            stats: config.log_stats.then(PrefixCacheStats::default),
+            block_size,
+            hasher,
+            requests: HashMap::new(),
+            copies: Vec::new(),
+            provenance,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &ManagerConfig {
+        &self.config
+    }
+
+    pub fn hasher(&self) -> &Arc<BlockHasher> {
+        &self.hasher
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    fn request(&self, id: &str) -> CoreResult<&Request> {
+        self.requests.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_owned()))
+    }
+
+    fn check_model_len(&self, num_tokens: usize) -> CoreResult<()> {
+        if num_tokens > self.max_model_len {
+            return Err(invalid(format!(
+                "the request would hold {num_tokens} tokens, more than max_model_len={}",
+                self.max_model_len
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn add_request(&mut self, id: &str, prompt: &[u32], keys: RequestKeys) -> CoreResult<()> {
+        if self.requests.contains_key(id) {
+            return Err(CoreError::DuplicateRequest(id.to_owned()));
+        }
+        self.check_model_len(prompt.len())?;
+        let seq = TokenSequence::new(self.hasher.clone(), prompt, keys)?;
+        let request = Request {
+            seq,
+            blocks: Vec::new(),
+            num_cached_blocks: 0,
+            num_computed_tokens: 0,
+            running: false,
+            num_preemptions: 0,
+        };
+        self.requests.insert(id.to_owned(), request);
+        Ok(())
+    }
+
+    /// Appends accepted output tokens; their full blocks are hashed at once.
+    pub fn append_token_ids(&mut self, id: &str, tokens: &[u32]) -> CoreResult<()> {
+        let num_tokens = self.request(id)?.seq.num_tokens();
+        self.check_model_len(num_tokens.saturating_add(tokens.len()))?;
+        if let Some(request) = self.requests.get_mut(id) {
+            request.seq.append_token_ids(tokens);
+        }
+        Ok(())
+    }
+
+    /// Frees the request's blocks and forgets it.
+    pub fn remove_request(&mut self, id: &str) -> CoreResult<()> {
+        self.free(id)?;
+        self.requests.remove(id);
+        Ok(())
+    }
+
+    pub fn sequence(&self, id: &str) -> CoreResult<&TokenSequence> {
+        Ok(&self.request(id)?.seq)
+    }
+
+    pub fn block_ids(&self, id: &str) -> CoreResult<&[u32]> {
+        Ok(&self.request(id)?.blocks)
+    }
+
+    pub fn num_computed_tokens(&self, id: &str) -> CoreResult<usize> {
+        Ok(self.request(id)?.num_computed_tokens)
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn request_ids(&self) -> impl Iterator<Item = &str> {
+        self.requests.keys().map(String::as_str)
+    }
+
+    fn key_of(&self, hash: &BlockHash) -> BlockHash {
+        let Some(n) = self.config.debug_key_bytes else { return *hash };
+        let mut key = *hash;
+        match &mut key {
+            BlockHash::Sha256(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
+            BlockHash::Xxh3(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
+        }
+        key
+    }
+
+    /// The block's extra keys in the native layout, or `None` when it has none.
+    fn block_key_bytes(seq: &TokenSequence, index: usize, block_size: usize) -> Option<Box<[u8]>> {
+        let keys = seq.keys();
+        if keys.is_empty() {
+            return None;
+        }
+        let mut extra: Vec<ExtraKey<'_>> = Vec::new();
+        let start = index * block_size;
+        keys.block_keys(start, start + block_size, &mut 0, &mut extra);
+        if extra.is_empty() {
+            return None;
+        }
+        let mut out = Vec::new();
+        native::keys(&mut out, Some(&extra));
+        Some(out.into_boxed_slice())
+    }
+
+    /// True when `block` holds exactly block `index` of `seq` after `parent`.
+    fn provenance_matches(
+        &self,
+        seq: &TokenSequence,
+        index: usize,
+        block: u32,
+        parent: u32,
+    ) -> bool {
+        let Some(p) = &self.provenance else { return true };
+        let b = self.block_size;
+        let start = block as usize * b;
+        let stored = p.tokens.get(start..start + b).unwrap_or_default();
+        p.parent.get(block as usize) == Some(&parent)
+            && stored.iter().copied().eq(seq.tokens_in(index * b, (index + 1) * b))
+            && p.keys.get(block as usize).cloned().flatten() == Self::block_key_bytes(seq, index, b)
+    }
+
+    /// The cached block for block `index` of `seq`, if any.
+    fn find_cached(&self, seq: &TokenSequence, index: usize, parent: u32) -> Option<u32> {
+        let hash = seq.block_hashes().get(index)?;
+        let candidates = self.pool.lookup(&self.key_of(hash));
+        if self.provenance.is_none() {
+            return candidates.first().copied();
+        }
+        candidates.iter().copied().find(|&b| self.provenance_matches(seq, index, b, parent))
+    }
+
+    /// vLLM's `get_computed_blocks`: the longest cached prefix, capped so that at least the
+    /// last token is computed. Takes no references.
+    pub fn get_computed_blocks(&self, id: &str) -> CoreResult<(Vec<u32>, usize)> {
+        let request = self.request(id)?;
+        if !self.config.enable_caching {
+            return Ok((Vec::new(), 0));
+        }
+        let max_blocks = request.seq.num_tokens().saturating_sub(1) / self.block_size;
+        let mut hits = Vec::new();
+        for index in 0..max_blocks {
+            let parent = hits.last().copied().unwrap_or(NO_PARENT);
+            match self.find_cached(&request.seq, index, parent) {
+                Some(block) => hits.push(block),
+                None => break,
+            }
+        }
+        let num_tokens = hits.len() * self.block_size;
+        Ok((hits, num_tokens))
+    }
+
+    fn check_hits(&self, request: &Request, hits: &[u32], hit_tokens: usize) -> CoreResult<()> {
+        if hits.len() * self.block_size != hit_tokens {
+            return Err(invalid(format!(
+                "num_new_computed_tokens={hit_tokens} must equal len(new_computed_blocks) * \
+                 block_size = {}",
+                hits.len() * self.block_size
+            )));
+        }
+        if hits.is_empty() {
+            return Ok(());
+        }
+        if request.running || !request.blocks.is_empty() {
+            return Err(invalid("prefix hits can only be added at a request's first allocation"));
+        }
+        let mut parent = NO_PARENT;
+        for (index, &block) in hits.iter().enumerate() {
+            let hash = request.seq.block_hashes().get(index);
+            let registered = hash.is_some_and(|h| self.pool.key(block) == Some(&self.key_of(h)));
+            if block == NULL_BLOCK
+                || !registered
+                || hits.get(..index).is_some_and(|seen| seen.contains(&block))
+                || !self.provenance_matches(&request.seq, index, block, parent)
+            {
+                return Err(invalid(format!(
+                    "new_computed_blocks[{index}] = {block} is not the request's cached block \
+                     {index}; pass what get_computed_blocks returned"
+                )));
+            }
+            parent = block;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `allocate_slots` for one group. Returns the newly allocated block ids, or `None`
+    /// (with nothing changed) when the pool cannot provide them.
+    pub fn allocate_slots(
+        &mut self,
+        id: &str,
+        num_new_tokens: usize,
+        num_new_computed_tokens: usize,
+        new_computed_blocks: &[u32],
+        num_lookahead_tokens: usize,
+    ) -> CoreResult<Option<Vec<u32>>> {
+        let b = self.block_size;
+        let request = self.request(id)?;
+        if num_new_tokens == 0 && num_new_computed_tokens == 0 {
+            return Err(invalid("num_new_tokens and num_new_computed_tokens are both 0"));
+        }
+        self.check_hits(request, new_computed_blocks, num_new_computed_tokens)?;
+        let local = request.num_computed_tokens + num_new_computed_tokens;
+        let num_tokens = request.seq.num_tokens();
+        if local.saturating_add(num_new_tokens) > num_tokens {
+            return Err(invalid(format!(
+                "cannot schedule {num_new_tokens} new tokens after {local} computed ones: the \
+                 request has {num_tokens} tokens (append them first; drafts are lookahead)"
+            )));
+        }
+        let total = local.min(self.max_model_len);
+        let need = total
+            .saturating_add(num_new_tokens)
+            .saturating_add(num_lookahead_tokens)
+            .min(self.max_model_len);
+        let target = need.div_ceil(b);
+        let held = request.blocks.len();
+        let hits = new_computed_blocks;
+        let evictable_hits = hits.iter().filter(|&&h| self.pool.ref_cnt(h) == 0).count();
+        // Copy-on-write: every held block that this step writes into and that a fork shares.
+        let first_written = local / b;
+        let last_written = (local + num_new_tokens).div_ceil(b).min(held);
+        let cow: Vec<usize> = (first_written..last_written)
+            .filter(|&i| request.blocks.get(i).is_some_and(|&blk| self.pool.ref_cnt(blk) > 1))
+            .collect();
+        let in_use = self.pool.num_blocks() - 1 - self.pool.num_free_blocks();
+        let watermark = if !request.running && in_use > 0 { self.watermark_blocks } else { 0 };
+        let needed = target.saturating_sub(hits.len() + held) + evictable_hits + cow.len();
+        if needed + watermark > self.pool.num_free_blocks() {
+            return Ok(None);
+        }
+
+        // Nothing has changed up to here; from now on the allocation succeeds.
+        let first_admission = !request.running;
+        let preempted = request.num_preemptions > 0;
+        let mut blocks =
+            self.requests.get_mut(id).map(|r| std::mem::take(&mut r.blocks)).unwrap_or_default();
+        for index in cow {
+            let fresh = self.pool.get_new_blocks(1);
+            if let (Some(&dst), Some(slot)) = (fresh.first(), blocks.get_mut(index)) {
+                if index * b < local {
+                    self.copies.push([*slot, dst]);
+                }
+                self.pool.release_shared(*slot);
+                *slot = dst;
+            }
+        }
+        let mut num_cached_blocks = self.requests.get(id).map_or(0, |r| r.num_cached_blocks);
+        if !hits.is_empty() {
+            self.pool.touch(hits);
+            blocks.extend_from_slice(hits);
+            num_cached_blocks = blocks.len();
+        }
+        let new_blocks = self.pool.get_new_blocks(target.saturating_sub(blocks.len()));
+        blocks.extend_from_slice(&new_blocks);
+        if let Some(request) = self.requests.get_mut(id) {
+            request.blocks = blocks;
+            request.num_cached_blocks = num_cached_blocks;
+            request.num_computed_tokens = local + num_new_tokens;
+            request.running = true;
+        }
+        self.cache_blocks(id, (total + num_new_tokens).min(num_tokens));
+        if first_admission && self.config.enable_caching {
+            if let Some(stats) = &mut self.stats {
+                stats.record(num_tokens, num_new_computed_tokens, preempted);
+            }
+        }
+        Ok(Some(new_blocks))
+    }
+
+    /// Registers the request's full blocks up to `num_tokens` (vLLM's `cache_blocks`).
+    fn cache_blocks(&mut self, id: &str, num_tokens: usize) {
+        if !self.config.enable_caching {
+            return;
+        }
+        let Some(request) = self.requests.get(id) else { return };
+        let hashes = request.seq.block_hashes();
+        let full = num_tokens.min(hashes.len() * self.block_size) / self.block_size;
+        let done = request.num_cached_blocks;
+        if done >= full {
+            return;
+        }
+        let b = self.block_size;
+        for index in done..full {
+            let (Some(&block), Some(hash)) = (request.blocks.get(index), hashes.get(index)) else {
+                continue;
+            };
+            let key = self.key_of(hash);
+            if self.pool.key(block).is_none() {
+                if let Some(p) = &mut self.provenance {
+                    let start = block as usize * b;
+                    if let Some(slot) = p.tokens.get_mut(start..start + b) {
+                        slot.iter_mut()
+                            .zip(request.seq.tokens_in(index * b, (index + 1) * b))
+                            .for_each(|(s, t)| *s = t);
+                    }
+                    let parent = index.checked_sub(1).and_then(|i| request.blocks.get(i)).copied();
+                    if let Some(slot) = p.parent.get_mut(block as usize) {
+                        *slot = parent.unwrap_or(NO_PARENT);
+                    }
+                    if let Some(slot) = p.keys.get_mut(block as usize) {
+                        *slot = Self::block_key_bytes(&request.seq, index, b);
+                    }
+                }
+            }
+            self.pool.cache_block(block, key);
+        }
+        if self.pool.events_enabled() {
+            let stored = Self::stored_event(&request.seq, done, full, b);
+            self.pool.push_stored(stored);
+        }
+        if let Some(request) = self.requests.get_mut(id) {
+            request.num_cached_blocks = full;
+        }
+    }
+
+    fn stored_event(seq: &TokenSequence, done: usize, full: usize, b: usize) -> BlockStored {
+        let hashes = seq.block_hashes();
+        let keys = seq.keys();
+        let extra_keys = (done..full)
+            .map(|index| {
+                let mut extra = Vec::new();
+                keys.block_keys(index * b, (index + 1) * b, &mut 0, &mut extra);
+                (!extra.is_empty()).then(|| extra.iter().map(event_key).collect())
+            })
+            .collect();
+        BlockStored {
+            block_hashes: hashes.get(done..full).unwrap_or_default().to_vec(),
+            parent_block_hash: done.checked_sub(1).and_then(|i| hashes.get(i)).copied(),
+            token_ids: seq.tokens_in(done * b, full * b).collect(),
+            block_size: b,
+            lora_name: keys.lora.as_ref().map(|(name, _)| name.clone()),
+            extra_keys,
+        }
+    }
+
+    /// Releases the request's blocks (tail first) and resets its computed tokens; its tokens
+    /// and hashes stay, so it can be scheduled again and hit its own blocks. A request
+    /// without blocks is left as it is.
+    pub fn free(&mut self, id: &str) -> CoreResult<()> {
+        let request =
+            self.requests.get_mut(id).ok_or_else(|| CoreError::UnknownRequest(id.to_owned()))?;
+        if !request.blocks.is_empty() {
+            request.num_preemptions += 1;
+        }
+        let blocks = std::mem::take(&mut request.blocks);
+        request.num_cached_blocks = 0;
+        request.num_computed_tokens = 0;
+        request.running = false;
+        self.pool.free_blocks(blocks.iter().rev().copied());
+        Ok(())
+    }
+
+    /// Parallel sampling: `child` starts as a copy of `parent` sharing all its blocks.
+    pub fn fork(&mut self, parent: &str, child: &str) -> CoreResult<()> {
+        if self.requests.contains_key(child) {
+            return Err(CoreError::DuplicateRequest(child.to_owned()));
+        }
+        let mut copy = self.request(parent)?.clone();
+        copy.num_preemptions = 0;
+        self.pool.touch(&copy.blocks);
+        self.requests.insert(child.to_owned(), copy);
+        Ok(())
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free_blocks()
+    }
+
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// The statistics since the last call (a fresh record starts), or `None` without stats.
+    pub fn make_prefix_cache_stats(&mut self) -> Option<PrefixCacheStats> {
+        self.stats.as_mut().map(std::mem::take)
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let done = self.pool.reset_prefix_cache();
+        if done {
+            if let Some(stats) = &mut self.stats {
+                stats.reset = true;
+            }
+        }
+        done
+    }
+
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_events()
+    }
+
+    /// The `(src, dst)` block copies queued by copy-on-write since the last call.
+    pub fn take_block_copies(&mut self) -> Vec<[u32; 2]> {
+        std::mem::take(&mut self.copies)
+    }
+}
+
+fn event_key(key: &ExtraKey<'_>) -> EventKey {
+    match *key {
+        ExtraKey::Lora { name, .. } => EventKey::Text(name.to_owned()),
+        ExtraKey::Mm { identifier, offset } => EventKey::Mm(identifier.to_owned(), offset),
+        ExtraKey::CacheSalt(salt) => EventKey::Text(salt.to_owned()),
+        ExtraKey::PromptEmbeds(digest) => EventKey::Bytes(digest.to_vec()),
+    }
+}

@@ -1,0 +1,244 @@
+//! The block pool: reference counts, the free queue in eviction order, the hash-to-block map
+//! and KV-cache events, with vLLM 0.33's `BlockPool` rules (one KV-cache group).
+
+use crate::free_queue::FreeQueue;
+use crate::hashing::BlockHash;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Block 0 is vLLM's null block: reserved, never allocated, cached or freed.
+pub const NULL_BLOCK: u32 = 0;
+
+/// Map keys are already uniform digests, so a few multiply-xor rounds spread them well.
+#[derive(Default)]
+pub struct DigestHasher(u64);
+
+impl Hasher for DigestHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word.iter_mut().zip(chunk).for_each(|(w, b)| *w = *b);
+            self.0 = (self.0.rotate_left(23) ^ u64::from_le_bytes(word))
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+}
+
+pub type DigestMap<V> = HashMap<BlockHash, V, BuildHasherDefault<DigestHasher>>;
+
+/// One untagged extra key as vLLM reports it in `BlockStored.extra_keys`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventKey {
+    /// A LoRA name or a cache salt.
+    Text(String),
+    /// A multimodal `(identifier, offset)`.
+    Mm(String, i64),
+    /// A prompt-embeds digest.
+    Bytes(Vec<u8>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockStored {
+    pub block_hashes: Vec<BlockHash>,
+    pub parent_block_hash: Option<BlockHash>,
+    pub token_ids: Vec<u32>,
+    pub block_size: usize,
+    pub lora_name: Option<String>,
+    /// One entry per stored block: its untagged keys, or `None` when it has none.
+    pub extra_keys: Vec<Option<Vec<EventKey>>>,
+}
+
+/// vLLM's KV-cache events for one group (`group_idx` 0, medium "GPU").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    BlockStored(BlockStored),
+    BlockRemoved(BlockHash),
+    AllBlocksCleared,
+}
+
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    ref_cnt: Vec<u32>,
+    /// The cache key a block is registered under, if any.
+    key: Vec<Option<BlockHash>>,
+    queue: FreeQueue,
+    /// Key -> blocks registered under it, earliest first (no deduplication, as vLLM).
+    cached: DigestMap<Vec<u32>>,
+    enable_caching: bool,
+    events: Option<Vec<KvEvent>>,
+}
+
+impl BlockPool {
+    /// `num_blocks >= 1`; block 0 is taken as the null block at once.
+    pub fn new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Self {
+        let mut queue = FreeQueue::new(num_blocks);
+        queue.remove(NULL_BLOCK);
+        Self {
+            ref_cnt: vec![0; num_blocks as usize],
+            key: vec![None; num_blocks as usize],
+            queue,
+            cached: DigestMap::default(),
+            enable_caching,
+            events: enable_events.then(Vec::new),
+        }
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.ref_cnt.len()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// `1 - free / (N - 1)`: the null block is neither free nor used.
+    pub fn usage(&self) -> f64 {
+        let usable = self.num_blocks().saturating_sub(1);
+        if usable == 0 {
+            return 0.0;
+        }
+        1.0 - self.num_free_blocks() as f64 / usable as f64
+    }
+
+    pub fn ref_cnt(&self, block: u32) -> u32 {
+        self.ref_cnt.get(block as usize).copied().unwrap_or(0)
+    }
+
+    pub fn key(&self, block: u32) -> Option<&BlockHash> {
+        self.key.get(block as usize).and_then(Option::as_ref)
+    }
+
+    pub fn free_block_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.queue.iter()
+    }
+
+    pub fn cached_blocks(&self) -> &DigestMap<Vec<u32>> {
+        &self.cached
+    }
+
+    /// The blocks registered under `key`, earliest first.
+    pub fn lookup(&self, key: &BlockHash) -> &[u32] {
+        self.cached.get(key).map_or(&[], Vec::as_slice)
+    }
+
+    fn emit(&mut self, event: KvEvent) {
+        if let Some(events) = &mut self.events {
+            events.push(event);
+        }
+    }
+
+    pub fn events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
+    pub fn push_stored(&mut self, stored: BlockStored) {
+        self.emit(KvEvent::BlockStored(stored));
+    }
+
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Drops `block` from the map entry of its key (lazy eviction). Like vLLM, every block
+    /// taken out of the map gets its own `BlockRemoved`, even when duplicates keep the key.
+    fn evict(&mut self, block: u32) {
+        let Some(key) = self.key.get_mut(block as usize).and_then(Option::take) else { return };
+        let Some(blocks) = self.cached.get_mut(&key) else { return };
+        let before = blocks.len();
+        blocks.retain(|&b| b != block);
+        if blocks.len() == before {
+            return;
+        }
+        if blocks.is_empty() {
+            self.cached.remove(&key);
+        }
+        self.emit(KvEvent::BlockRemoved(key));
+    }
+
+    /// Pops `n` blocks from the head of the free queue (the caller has checked that `n` are
+    /// free), evicting their cache entries; each gets reference count 1.
+    pub fn get_new_blocks(&mut self, n: usize) -> Vec<u32> {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let Some(block) = self.queue.pop_front() else { break };
+            if self.enable_caching {
+                self.evict(block);
+            }
+            if let Some(r) = self.ref_cnt.get_mut(block as usize) {
+                *r = 1;
+            }
+            out.push(block);
+        }
+        out
+    }
+
+    /// A prefix hit takes a reference; a free cached block stops being an eviction candidate.
+    pub fn touch(&mut self, blocks: &[u32]) {
+        for &block in blocks {
+            if block == NULL_BLOCK {
+                continue;
+            }
+            if self.ref_cnt(block) == 0 {
+                self.queue.remove(block);
+            }
+            if let Some(r) = self.ref_cnt.get_mut(block as usize) {
+                *r += 1;
+            }
+        }
+    }
+
+    /// Releases one reference of each block, `ordered` from first to last to evict. Blocks
+    /// that reach zero go to the queue: un-hashed ones to the head (reused first), hashed
+    /// ones to the tail (kept as long as possible, LRU).
+    pub fn free_blocks(&mut self, ordered: impl Iterator<Item = u32>) {
+        let mut front = Vec::new();
+        for block in ordered {
+            if block == NULL_BLOCK {
+                continue;
+            }
+            let Some(r) = self.ref_cnt.get_mut(block as usize) else { continue };
+            *r = r.saturating_sub(1);
+            if *r == 0 {
+                if self.enable_caching && self.key(block).is_some() {
+                    self.queue.push_back(block);
+                } else {
+                    front.push(block);
+                }
+            }
+        }
+        self.queue.prepend_n(&front);
+    }
+
+    /// Drops one reference of a block that the caller knows is also held elsewhere.
+    pub fn release_shared(&mut self, block: u32) {
+        if let Some(r) = self.ref_cnt.get_mut(block as usize) {
+            *r = r.saturating_sub(1);
+        }
+    }
+
+    /// Registers `block` under `key` (a block already holding a key keeps it).
+    pub fn cache_block(&mut self, block: u32, key: BlockHash) {
+        let Some(slot) = self.key.get_mut(block as usize) else { return };
+        if slot.is_some() || block == NULL_BLOCK {
+            return;
+        }
+        *slot = Some(key);
+        self.cached.entry(key).or_default().push(block);
+    }
+
+    /// vLLM's `reset_prefix_cache`: only when no block is in use; clears every key and emits
+    /// one `AllBlocksCleared`. The free queue order is kept.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.num_blocks() - self.num_free_blocks() != 1 {
+            return false;
+        }
+        self.cached.clear();
+        self.key.iter_mut().for_each(|k| *k = None);
+        self.emit(KvEvent::AllBlocksCleared);
+        true
+    }
+}

@@ -1,0 +1,403 @@
+//! `kvblocks.BlockManager`.
+
+use crate::args::{int_arg, size_arg, str_arg};
+use crate::errors::{poisoned, to_py};
+use crate::hasher::{hash_bytes, hash_list, PyBlockHasher};
+use crate::keys::request_keys;
+use crate::tokens::{extract_one_or_many, extract_token_ids};
+use kvblocks_core::pool::{EventKey, KvEvent};
+use kvblocks_core::{resolve_seed, BlockHash, BlockHasher, BlockManager, HashAlgo, ManagerConfig};
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+#[pyclass(frozen, module = "kvblocks._core", name = "BlockManager")]
+pub struct PyBlockManager {
+    inner: Mutex<BlockManager>,
+    hasher: Py<PyBlockHasher>,
+    int_hashes: bool,
+}
+
+static BLOCK_STORED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static BLOCK_REMOVED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static PREFIX_CACHE_STATS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn id_arg(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    str_arg(obj, "request_id")
+}
+
+fn block_ids_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let mut out = Vec::new();
+    for item in obj.try_iter()? {
+        let value = int_arg(&item?, "block id")?;
+        out.push(
+            u32::try_from(value)
+                .map_err(|_| PyValueError::new_err(format!("block id {value} is out of range")))?,
+        );
+    }
+    Ok(out)
+}
+
+impl PyBlockManager {
+    fn lock(&self) -> PyResult<MutexGuard<'_, BlockManager>> {
+        self.inner.lock().map_err(|_| poisoned())
+    }
+
+    fn external<'py>(&self, py: Python<'py>, hash: &BlockHash) -> PyResult<Bound<'py, PyAny>> {
+        if self.int_hashes {
+            Ok(hash.external_u64().into_pyobject(py)?.into_any())
+        } else {
+            Ok(hash_bytes(py, hash).into_any())
+        }
+    }
+
+    fn event<'py>(&self, py: Python<'py>, event: &KvEvent) -> PyResult<Bound<'py, PyAny>> {
+        match event {
+            KvEvent::BlockStored(stored) => {
+                let hashes = stored
+                    .block_hashes
+                    .iter()
+                    .map(|h| self.external(py, h))
+                    .collect::<PyResult<Vec<_>>>()?;
+                let parent = match &stored.parent_block_hash {
+                    Some(h) => self.external(py, h)?,
+                    None => py.None().into_bound(py),
+                };
+                let extra = PyList::empty(py);
+                for keys in &stored.extra_keys {
+                    match keys {
+                        None => extra.append(py.None())?,
+                        Some(keys) => {
+                            let items = keys
+                                .iter()
+                                .map(|k| event_key(py, k))
+                                .collect::<PyResult<Vec<_>>>()?;
+                            extra.append(PyTuple::new(py, items)?)?;
+                        }
+                    }
+                }
+                let extra =
+                    if extra.is_empty() { py.None().into_bound(py) } else { extra.into_any() };
+                let kwargs = PyDict::new(py);
+                kwargs.set_item("block_hashes", PyList::new(py, hashes)?)?;
+                kwargs.set_item("parent_block_hash", parent)?;
+                kwargs.set_item("token_ids", PyList::new(py, &stored.token_ids)?)?;
+                kwargs.set_item("block_size", stored.block_size)?;
+                kwargs.set_item("lora_name", stored.lora_name.as_deref())?;
+                kwargs.set_item("extra_keys", extra)?;
+                BLOCK_STORED
+                    .import(py, "kvblocks.kv_events", "BlockStored")?
+                    .call((), Some(&kwargs))
+            }
+            KvEvent::BlockRemoved(hash) => {
+                let hashes = PyList::new(py, [self.external(py, hash)?])?;
+                BLOCK_REMOVED.import(py, "kvblocks.kv_events", "BlockRemoved")?.call1((hashes,))
+            }
+            KvEvent::AllBlocksCleared => {
+                ALL_BLOCKS_CLEARED.import(py, "kvblocks.kv_events", "AllBlocksCleared")?.call0()
+            }
+        }
+    }
+}
+
+fn event_key<'py>(py: Python<'py>, key: &EventKey) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match key {
+        EventKey::Text(s) => s.into_pyobject(py)?.into_any(),
+        EventKey::Mm(identifier, offset) => (identifier, offset).into_pyobject(py)?.into_any(),
+        EventKey::Bytes(b) => pyo3::types::PyBytes::new(py, b).into_any(),
+    })
+}
+
+#[pymethods]
+impl PyBlockManager {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, block_size, /, *, enable_caching = true, hash_algo = "sha256_cbor",
+        hash_seed = None, max_model_len = None, watermark = 0.0, log_stats = true,
+        enable_events = false, verify_tokens = false, events_use_int_block_hashes = true,
+        _debug_key_bytes = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        enable_caching: bool,
+        hash_algo: &str,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        max_model_len: Option<&Bound<'_, PyAny>>,
+        watermark: f64,
+        log_stats: bool,
+        enable_events: bool,
+        verify_tokens: bool,
+        events_use_int_block_hashes: bool,
+        _debug_key_bytes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let num_blocks = size_arg(num_blocks, "num_blocks", 1)?;
+        let block_size = size_arg(block_size, "block_size", 1)?;
+        let algo = HashAlgo::from_name(hash_algo).map_err(to_py)?;
+        let seed =
+            hash_seed.filter(|s| !s.is_none()).map(|s| str_arg(s, "hash_seed")).transpose()?;
+        let env = py.import("os")?.getattr("environ")?.call_method1("get", ("PYTHONHASHSEED",))?;
+        let seed = resolve_seed(algo, seed, env.extract()?).map_err(to_py)?;
+        let hasher = Arc::new(BlockHasher::new(algo, block_size, seed).map_err(to_py)?);
+        let config = ManagerConfig {
+            num_blocks,
+            enable_caching,
+            max_model_len: max_model_len
+                .filter(|m| !m.is_none())
+                .map(|m| size_arg(m, "max_model_len", 1))
+                .transpose()?,
+            watermark,
+            log_stats,
+            enable_events,
+            verify_tokens,
+            debug_key_bytes: _debug_key_bytes
+                .filter(|m| !m.is_none())
+                .map(|m| size_arg(m, "_debug_key_bytes", 1))
+                .transpose()?,
+        };
+        let manager = BlockManager::new(config, hasher.clone()).map_err(to_py)?;
+        Ok(Self {
+            inner: Mutex::new(manager),
+            hasher: Py::new(py, PyBlockHasher { inner: hasher })?,
+            int_hashes: events_use_int_block_hashes,
+        })
+    }
+
+    #[getter]
+    fn hasher(&self, py: Python<'_>) -> Py<PyBlockHasher> {
+        self.hasher.clone_ref(py)
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.pool().num_blocks())
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.hasher.get().inner.block_size()
+    }
+
+    #[getter]
+    fn enable_caching(&self) -> PyResult<bool> {
+        Ok(self.lock()?.config().enable_caching)
+    }
+
+    #[getter]
+    fn num_free_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_free_blocks())
+    }
+
+    #[getter]
+    fn usage(&self) -> PyResult<f64> {
+        Ok(self.lock()?.usage())
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_requests())
+    }
+
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let Ok(id) = request_id.extract::<&str>() else { return Ok(false) };
+        Ok(self.lock()?.sequence(id).is_ok())
+    }
+
+    #[pyo3(signature = (request_id, prompt_token_ids, /, *, cache_salt = None, lora = None, mm_features = None))]
+    fn add_request(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora: Option<&Bound<'_, PyAny>>,
+        mm_features: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let id = id_arg(request_id)?;
+        let tokens = extract_token_ids(prompt_token_ids)?;
+        let keys = request_keys(cache_salt, lora, mm_features)?;
+        self.lock()?.add_request(&id, tokens.as_slice(), keys).map_err(to_py)
+    }
+
+    #[pyo3(signature = (request_id, token_ids, /))]
+    fn append_token_ids(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = id_arg(request_id)?;
+        let tokens = extract_one_or_many(token_ids)?;
+        self.lock()?.append_token_ids(&id, tokens.as_slice()).map_err(to_py)
+    }
+
+    #[pyo3(signature = (request_id, /))]
+    fn remove_request(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_arg(request_id)?;
+        self.lock()?.remove_request(&id).map_err(to_py)
+    }
+
+    #[pyo3(signature = (request_id, /))]
+    fn get_computed_blocks(&self, request_id: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, usize)> {
+        let id = id_arg(request_id)?;
+        self.lock()?.get_computed_blocks(&id).map_err(to_py)
+    }
+
+    #[pyo3(signature = (
+        request_id, num_new_tokens, /, *, num_new_computed_tokens = None,
+        new_computed_blocks = None, num_lookahead_tokens = None,
+    ))]
+    fn allocate_slots(
+        &self,
+        request_id: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_new_computed_tokens: Option<&Bound<'_, PyAny>>,
+        new_computed_blocks: Option<&Bound<'_, PyAny>>,
+        num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let id = id_arg(request_id)?;
+        let count = |arg: Option<&Bound<'_, PyAny>>, what| match arg {
+            Some(v) if !v.is_none() => size_arg(v, what, 0),
+            _ => Ok(0),
+        };
+        let new = size_arg(num_new_tokens, "num_new_tokens", 0)?;
+        let computed = count(num_new_computed_tokens, "num_new_computed_tokens")?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let hits = match new_computed_blocks {
+            Some(b) if !b.is_none() => block_ids_arg(b)?,
+            _ => Vec::new(),
+        };
+        self.lock()?.allocate_slots(&id, new, computed, &hits, lookahead).map_err(to_py)
+    }
+
+    #[pyo3(signature = (request_id, /))]
+    fn free(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = id_arg(request_id)?;
+        self.lock()?.free(&id).map_err(to_py)
+    }
+
+    #[pyo3(signature = (parent_id, child_id, /))]
+    fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (parent, child) = (id_arg(parent_id)?, id_arg(child_id)?);
+        self.lock()?.fork(&parent, &child).map_err(to_py)
+    }
+
+    #[pyo3(signature = (request_id, /))]
+    fn get_block_ids(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let id = id_arg(request_id)?;
+        Ok(self.lock()?.block_ids(&id).map_err(to_py)?.to_vec())
+    }
+
+    #[pyo3(signature = (request_id, /))]
+    fn block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let id = id_arg(request_id)?;
+        let manager = self.lock()?;
+        hash_list(py, manager.sequence(&id).map_err(to_py)?.block_hashes())
+    }
+
+    #[pyo3(signature = (request_id, /))]
+    fn num_computed_tokens(&self, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let id = id_arg(request_id)?;
+        self.lock()?.num_computed_tokens(&id).map_err(to_py)
+    }
+
+    #[pyo3(signature = (request_id, /))]
+    fn num_tokens(&self, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let id = id_arg(request_id)?;
+        Ok(self.lock()?.sequence(&id).map_err(to_py)?.num_tokens())
+    }
+
+    #[pyo3(signature = (request_id, /))]
+    fn get_token_ids<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let id = id_arg(request_id)?;
+        let manager = self.lock()?;
+        PyList::new(py, manager.sequence(&id).map_err(to_py)?.token_ids())
+    }
+
+    fn make_prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(s) = self.lock()?.make_prefix_cache_stats() else { return Ok(None) };
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("reset", s.reset)?;
+        kwargs.set_item("requests", s.requests)?;
+        kwargs.set_item("queries", s.queries)?;
+        kwargs.set_item("hits", s.hits)?;
+        kwargs.set_item("preempted_requests", s.preempted_requests)?;
+        kwargs.set_item("preempted_queries", s.preempted_queries)?;
+        kwargs.set_item("preempted_hits", s.preempted_hits)?;
+        let cls = PREFIX_CACHE_STATS.import(py, "kvblocks.stats", "PrefixCacheStats")?;
+        cls.call((), Some(&kwargs)).map(Some)
+    }
+
+    fn reset_prefix_cache(&self) -> PyResult<bool> {
+        Ok(self.lock()?.reset_prefix_cache())
+    }
+
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.lock()?.take_events();
+        let objects = events.iter().map(|e| self.event(py, e)).collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, objects)
+    }
+
+    /// The pending copy-on-write copies as an `(N, 2)` int32 array of `(src, dst)` block ids.
+    fn take_block_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let copies = self.lock()?.take_block_copies();
+        let flat: Vec<i32> = copies
+            .iter()
+            .flat_map(|pair| pair.iter().map(|&b| i32::try_from(b).unwrap_or(i32::MAX)))
+            .collect();
+        PyArray1::from_vec(py, flat).reshape([copies.len(), 2])
+    }
+
+    /// The pool's internal state, for tests and debugging: the free queue (head first), every
+    /// block's reference count and cache key, and the key-to-blocks map.
+    fn debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let manager = self.lock()?;
+        let pool = manager.pool();
+        let state = PyDict::new(py);
+        state.set_item("free_block_ids", pool.free_block_ids().collect::<Vec<_>>())?;
+        let n =
+            u32::try_from(pool.num_blocks()).map_err(|_| PyTypeError::new_err("pool too large"))?;
+        state.set_item("ref_counts", (0..n).map(|b| pool.ref_cnt(b)).collect::<Vec<_>>())?;
+        let keys = PyList::empty(py);
+        for b in 0..n {
+            match pool.key(b) {
+                Some(k) => keys.append(hash_bytes(py, k))?,
+                None => keys.append(py.None())?,
+            }
+        }
+        state.set_item("block_keys", keys)?;
+        let cached = PyDict::new(py);
+        for (key, blocks) in pool.cached_blocks() {
+            cached.set_item(hash_bytes(py, key), blocks.clone())?;
+        }
+        state.set_item("cached", cached)?;
+        let tables = PyDict::new(py);
+        for id in manager.request_ids() {
+            tables.set_item(id, manager.block_ids(id).map_err(to_py)?.to_vec())?;
+        }
+        state.set_item("block_tables", tables)?;
+        Ok(state)
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        let m = self.lock()?;
+        Ok(format!(
+            "BlockManager(num_blocks={}, block_size={}, num_free_blocks={}, num_requests={})",
+            m.pool().num_blocks(),
+            m.hasher().block_size(),
+            m.num_free_blocks(),
+            m.num_requests()
+        ))
+    }
+}
