@@ -3,11 +3,11 @@
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, final
 
-from kvblocks.kv_events import KVCacheEvent
-from kvblocks.stats import PrefixCacheStats
-
 import numpy as np
 import numpy.typing as npt
+
+from kvblocks.kv_events import KVCacheEvent
+from kvblocks.stats import PrefixCacheStats
 
 __all__ = [
     "HASH_ALGORITHMS",
