@@ -507,3 +507,87 @@ fn event_key(key: &ExtraKey<'_>) -> EventKey {
         ExtraKey::PromptEmbeds(digest) => EventKey::Bytes(digest.to_vec()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::{HashAlgo, DEFAULT_SEED};
+
+    fn manager(num_blocks: usize, block_size: usize) -> BlockManager {
+        let hasher =
+            BlockHasher::new(HashAlgo::Sha256Cbor, block_size, DEFAULT_SEED.to_owned()).unwrap();
+        let config = ManagerConfig {
+            num_blocks,
+            enable_caching: true,
+            max_model_len: None,
+            watermark: 0.0,
+            log_stats: true,
+            enable_events: true,
+            verify_tokens: false,
+            debug_key_bytes: None,
+        };
+        BlockManager::new(config, Arc::new(hasher)).unwrap()
+    }
+
+    fn admit(m: &mut BlockManager, id: &str, tokens: &[u32]) -> Option<Vec<u32>> {
+        m.add_request(id, tokens, RequestKeys::default()).unwrap();
+        let (hits, n) = m.get_computed_blocks(id).unwrap();
+        m.allocate_slots(id, tokens.len() - n, n, &hits, 0).unwrap()
+    }
+
+    fn free_ids(m: &BlockManager) -> Vec<u32> {
+        m.pool().free_block_ids().collect()
+    }
+
+    #[test]
+    fn worked_trace_of_vllm_semantics() {
+        // vllm-semantics.md §3.9: N = 11, B = 16.
+        let mut m = manager(11, 16);
+        let common: Vec<u32> = (1000..1048).collect();
+        let with = |tail: std::ops::Range<u32>| [common.clone(), tail.collect()].concat();
+        assert_eq!(admit(&mut m, "r0", &with(0..7)), Some(vec![1, 2, 3, 4]));
+        assert_eq!(admit(&mut m, "r1", &with(100..105)), Some(vec![5]));
+        assert_eq!((1..6).map(|b| m.pool().ref_cnt(b)).collect::<Vec<_>>(), [2, 2, 2, 1, 1]);
+        m.free("r0").unwrap();
+        m.free("r1").unwrap();
+        assert_eq!(free_ids(&m), [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]);
+        assert_eq!(admit(&mut m, "r2", &with(200..206)), Some(vec![5]));
+        m.free("r2").unwrap();
+        m.take_events();
+        let fresh: Vec<u32> = (5000..5160).collect();
+        assert_eq!(admit(&mut m, "r3", &fresh), Some(vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1]));
+        assert!(free_ids(&m).is_empty());
+        let removed =
+            m.take_events().iter().filter(|e| matches!(e, KvEvent::BlockRemoved(_))).count();
+        assert_eq!(removed, 3);
+    }
+
+    #[test]
+    fn refused_allocation_changes_nothing_and_errors_are_typed() {
+        let mut m = manager(4, 4);
+        assert_eq!(admit(&mut m, "a", &[1, 2, 3, 4, 5, 6, 7, 8]), Some(vec![1, 2]));
+        let before = free_ids(&m);
+        m.add_request("b", &[9; 12], RequestKeys::default()).unwrap();
+        assert_eq!(m.allocate_slots("b", 12, 0, &[], 0), Ok(None));
+        assert_eq!(free_ids(&m), before);
+        assert!(matches!(m.allocate_slots("zz", 1, 0, &[], 0), Err(CoreError::UnknownRequest(_))));
+        assert!(matches!(
+            m.add_request("a", &[1], RequestKeys::default()),
+            Err(CoreError::DuplicateRequest(_))
+        ));
+        assert!(matches!(m.allocate_slots("b", 13, 0, &[], 0), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(m.allocate_slots("b", 1, 4, &[0], 0), Err(CoreError::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn fork_copies_a_shared_partial_block_on_write() {
+        let mut m = manager(10, 4);
+        admit(&mut m, "p", &[1, 2, 3, 4, 5, 6]);
+        m.fork("p", "c").unwrap();
+        m.append_token_ids("c", &[7]).unwrap();
+        assert_eq!(m.allocate_slots("c", 1, 0, &[], 0), Ok(Some(vec![])));
+        assert_eq!(m.take_block_copies(), [[2, 3]]);
+        assert_eq!(m.block_ids("c").unwrap(), [1, 3]);
+        assert_eq!(m.pool().ref_cnt(1), 2);
+    }
+}
