@@ -181,13 +181,7 @@ impl BlockManager {
     }
 
     fn key_of(&self, hash: &BlockHash) -> BlockHash {
-        let Some(n) = self.config.debug_key_bytes else { return *hash };
-        let mut key = *hash;
-        match &mut key {
-            BlockHash::Sha256(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
-            BlockHash::Xxh3(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
-        }
-        key
+        key_of(hash, self.config.debug_key_bytes)
     }
 
     /// The block's extra keys in the native layout, or `None` when it has none.
@@ -321,100 +315,58 @@ impl BlockManager {
         let hits = new_computed_blocks;
         let evictable_hits = hits.iter().filter(|&&h| self.pool.ref_cnt(h) == 0).count();
         // Copy-on-write: every held block that this step writes into and that a fork shares.
-        let first_written = local / b;
-        let last_written = (local + num_new_tokens).div_ceil(b).min(held);
-        let cow: Vec<usize> = (first_written..last_written)
-            .filter(|&i| request.blocks.get(i).is_some_and(|&blk| self.pool.ref_cnt(blk) > 1))
-            .collect();
+        let written = local / b..(local + num_new_tokens).div_ceil(b).min(held);
+        let shared = |pool: &BlockPool, blocks: &[u32], i: usize| {
+            blocks.get(i).is_some_and(|&blk| pool.ref_cnt(blk) > 1)
+        };
+        let num_cow = written.clone().filter(|&i| shared(&self.pool, &request.blocks, i)).count();
         let in_use = self.pool.num_blocks() - 1 - self.pool.num_free_blocks();
         let watermark = if !request.running && in_use > 0 { self.watermark_blocks } else { 0 };
-        let needed = target.saturating_sub(hits.len() + held) + evictable_hits + cow.len();
+        let needed = target.saturating_sub(hits.len() + held) + evictable_hits + num_cow;
         if needed + watermark > self.pool.num_free_blocks() {
             return Ok(None);
         }
 
         // Nothing has changed up to here; from now on the allocation succeeds.
+        let Some(request) = self.requests.get_mut(id) else { return Ok(None) };
+        let pool = &mut self.pool;
         let first_admission = !request.running;
-        let preempted = request.num_preemptions > 0;
-        let mut blocks =
-            self.requests.get_mut(id).map(|r| std::mem::take(&mut r.blocks)).unwrap_or_default();
-        for index in cow {
-            let fresh = self.pool.get_new_blocks(1);
-            if let (Some(&dst), Some(slot)) = (fresh.first(), blocks.get_mut(index)) {
+        for index in written {
+            if !shared(pool, &request.blocks, index) {
+                continue;
+            }
+            let fresh = pool.get_new_blocks(1);
+            if let (Some(&dst), Some(slot)) = (fresh.first(), request.blocks.get_mut(index)) {
                 if index * b < local {
                     self.copies.push([*slot, dst]);
                 }
-                self.pool.release_shared(*slot);
+                pool.release_shared(*slot);
                 *slot = dst;
             }
         }
-        let mut num_cached_blocks = self.requests.get(id).map_or(0, |r| r.num_cached_blocks);
         if !hits.is_empty() {
-            self.pool.touch(hits);
-            blocks.extend_from_slice(hits);
-            num_cached_blocks = blocks.len();
+            pool.touch(hits);
+            request.blocks.extend_from_slice(hits);
+            request.num_cached_blocks = request.blocks.len();
         }
-        let new_blocks = self.pool.get_new_blocks(target.saturating_sub(blocks.len()));
-        blocks.extend_from_slice(&new_blocks);
-        if let Some(request) = self.requests.get_mut(id) {
-            request.blocks = blocks;
-            request.num_cached_blocks = num_cached_blocks;
-            request.num_computed_tokens = local + num_new_tokens;
-            request.running = true;
-        }
-        self.cache_blocks(id, (total + num_new_tokens).min(num_tokens));
-        if first_admission && self.config.enable_caching {
-            if let Some(stats) = &mut self.stats {
-                stats.record(num_tokens, num_new_computed_tokens, preempted);
+        let new_blocks = pool.get_new_blocks(target.saturating_sub(request.blocks.len()));
+        request.blocks.extend_from_slice(&new_blocks);
+        request.num_computed_tokens = local + num_new_tokens;
+        request.running = true;
+        if self.config.enable_caching {
+            let context = CacheContext {
+                pool,
+                provenance: &mut self.provenance,
+                debug_key_bytes: self.config.debug_key_bytes,
+            };
+            context.cache_blocks(request, (total + num_new_tokens).min(num_tokens), b);
+            if first_admission {
+                if let Some(stats) = &mut self.stats {
+                    stats.record(num_tokens, num_new_computed_tokens, request.num_preemptions > 0);
+                }
             }
         }
         Ok(Some(new_blocks))
-    }
-
-    /// Registers the request's full blocks up to `num_tokens` (vLLM's `cache_blocks`).
-    fn cache_blocks(&mut self, id: &str, num_tokens: usize) {
-        if !self.config.enable_caching {
-            return;
-        }
-        let Some(request) = self.requests.get(id) else { return };
-        let hashes = request.seq.block_hashes();
-        let full = num_tokens.min(hashes.len() * self.block_size) / self.block_size;
-        let done = request.num_cached_blocks;
-        if done >= full {
-            return;
-        }
-        let b = self.block_size;
-        for index in done..full {
-            let (Some(&block), Some(hash)) = (request.blocks.get(index), hashes.get(index)) else {
-                continue;
-            };
-            let key = self.key_of(hash);
-            if self.pool.key(block).is_none() {
-                if let Some(p) = &mut self.provenance {
-                    let start = block as usize * b;
-                    if let Some(slot) = p.tokens.get_mut(start..start + b) {
-                        slot.iter_mut()
-                            .zip(request.seq.tokens_in(index * b, (index + 1) * b))
-                            .for_each(|(s, t)| *s = t);
-                    }
-                    let parent = index.checked_sub(1).and_then(|i| request.blocks.get(i)).copied();
-                    if let Some(slot) = p.parent.get_mut(block as usize) {
-                        *slot = parent.unwrap_or(NO_PARENT);
-                    }
-                    if let Some(slot) = p.keys.get_mut(block as usize) {
-                        *slot = Self::block_key_bytes(&request.seq, index, b);
-                    }
-                }
-            }
-            self.pool.cache_block(block, key);
-        }
-        if self.pool.events_enabled() {
-            let stored = Self::stored_event(&request.seq, done, full, b);
-            self.pool.push_stored(stored);
-        }
-        if let Some(request) = self.requests.get_mut(id) {
-            request.num_cached_blocks = full;
-        }
     }
 
     fn stored_event(seq: &TokenSequence, done: usize, full: usize, b: usize) -> BlockStored {
@@ -496,6 +448,69 @@ impl BlockManager {
     /// The `(src, dst)` block copies queued by copy-on-write since the last call.
     pub fn take_block_copies(&mut self) -> Vec<[u32; 2]> {
         std::mem::take(&mut self.copies)
+    }
+}
+
+/// The cache key of a block hash: the hash itself, or its first `n` bytes in debug mode.
+fn key_of(hash: &BlockHash, debug_key_bytes: Option<usize>) -> BlockHash {
+    let Some(n) = debug_key_bytes else { return *hash };
+    let mut key = *hash;
+    match &mut key {
+        BlockHash::Sha256(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
+        BlockHash::Xxh3(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
+    }
+    key
+}
+
+/// What registering a request's blocks touches, borrowed apart from the request map.
+struct CacheContext<'a> {
+    pool: &'a mut BlockPool,
+    provenance: &'a mut Option<Provenance>,
+    debug_key_bytes: Option<usize>,
+}
+
+impl CacheContext<'_> {
+    /// Registers the request's full blocks up to `num_tokens` (vLLM's `cache_blocks`), with
+    /// one `BlockStored` event for the newly registered range.
+    fn cache_blocks(self, request: &mut Request, num_tokens: usize, b: usize) {
+        let hashes = request.seq.block_hashes();
+        let full = num_tokens.min(hashes.len() * b) / b;
+        let done = request.num_cached_blocks;
+        if done >= full {
+            return;
+        }
+        for index in done..full {
+            let (Some(&block), Some(hash)) = (request.blocks.get(index), hashes.get(index)) else {
+                continue;
+            };
+            if self.pool.key(block).is_none() {
+                if let Some(p) = self.provenance.as_mut() {
+                    p.record(request, index, block, b);
+                }
+            }
+            self.pool.cache_block(block, key_of(hash, self.debug_key_bytes));
+        }
+        if self.pool.events_enabled() {
+            self.pool.push_stored(BlockManager::stored_event(&request.seq, done, full, b));
+        }
+        request.num_cached_blocks = full;
+    }
+}
+
+impl Provenance {
+    fn record(&mut self, request: &Request, index: usize, block: u32, b: usize) {
+        let start = block as usize * b;
+        if let Some(slot) = self.tokens.get_mut(start..start + b) {
+            let tokens = request.seq.tokens_in(index * b, (index + 1) * b);
+            slot.iter_mut().zip(tokens).for_each(|(s, t)| *s = t);
+        }
+        let parent = index.checked_sub(1).and_then(|i| request.blocks.get(i)).copied();
+        if let Some(slot) = self.parent.get_mut(block as usize) {
+            *slot = parent.unwrap_or(NO_PARENT);
+        }
+        if let Some(slot) = self.keys.get_mut(block as usize) {
+            *slot = BlockManager::block_key_bytes(&request.seq, index, b);
+        }
     }
 }
 

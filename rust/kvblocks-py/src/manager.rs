@@ -11,7 +11,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 #[pyclass(frozen, module = "kvblocks._core", name = "BlockManager")]
@@ -26,8 +26,15 @@ static BLOCK_REMOVED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static PREFIX_CACHE_STATS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
-fn id_arg(obj: &Bound<'_, PyAny>) -> PyResult<String> {
-    str_arg(obj, "request_id")
+/// A request id, borrowed from the Python `str` (no copy on the hot path).
+fn id_arg<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
+    match obj.cast::<PyString>() {
+        Ok(s) => s.to_str(),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "request_id must be a str, got {}",
+            obj.get_type().name()?
+        ))),
+    }
 }
 
 fn block_ids_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -220,7 +227,7 @@ impl PyBlockManager {
         let id = id_arg(request_id)?;
         let tokens = extract_token_ids(prompt_token_ids)?;
         let keys = request_keys(cache_salt, lora, mm_features)?;
-        self.lock()?.add_request(&id, tokens.as_slice(), keys).map_err(to_py)
+        self.lock()?.add_request(id, tokens.as_slice(), keys).map_err(to_py)
     }
 
     #[pyo3(signature = (request_id, token_ids, /))]
@@ -231,19 +238,19 @@ impl PyBlockManager {
     ) -> PyResult<()> {
         let id = id_arg(request_id)?;
         let tokens = extract_one_or_many(token_ids)?;
-        self.lock()?.append_token_ids(&id, tokens.as_slice()).map_err(to_py)
+        self.lock()?.append_token_ids(id, tokens.as_slice()).map_err(to_py)
     }
 
     #[pyo3(signature = (request_id, /))]
     fn remove_request(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = id_arg(request_id)?;
-        self.lock()?.remove_request(&id).map_err(to_py)
+        self.lock()?.remove_request(id).map_err(to_py)
     }
 
     #[pyo3(signature = (request_id, /))]
     fn get_computed_blocks(&self, request_id: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, usize)> {
         let id = id_arg(request_id)?;
-        self.lock()?.get_computed_blocks(&id).map_err(to_py)
+        self.lock()?.get_computed_blocks(id).map_err(to_py)
     }
 
     #[pyo3(signature = (
@@ -270,25 +277,25 @@ impl PyBlockManager {
             Some(b) if !b.is_none() => block_ids_arg(b)?,
             _ => Vec::new(),
         };
-        self.lock()?.allocate_slots(&id, new, computed, &hits, lookahead).map_err(to_py)
+        self.lock()?.allocate_slots(id, new, computed, &hits, lookahead).map_err(to_py)
     }
 
     #[pyo3(signature = (request_id, /))]
     fn free(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = id_arg(request_id)?;
-        self.lock()?.free(&id).map_err(to_py)
+        self.lock()?.free(id).map_err(to_py)
     }
 
     #[pyo3(signature = (parent_id, child_id, /))]
     fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let (parent, child) = (id_arg(parent_id)?, id_arg(child_id)?);
-        self.lock()?.fork(&parent, &child).map_err(to_py)
+        self.lock()?.fork(parent, child).map_err(to_py)
     }
 
     #[pyo3(signature = (request_id, /))]
     fn get_block_ids(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let id = id_arg(request_id)?;
-        Ok(self.lock()?.block_ids(&id).map_err(to_py)?.to_vec())
+        Ok(self.lock()?.block_ids(id).map_err(to_py)?.to_vec())
     }
 
     #[pyo3(signature = (request_id, /))]
@@ -299,19 +306,19 @@ impl PyBlockManager {
     ) -> PyResult<Bound<'py, PyList>> {
         let id = id_arg(request_id)?;
         let manager = self.lock()?;
-        hash_list(py, manager.sequence(&id).map_err(to_py)?.block_hashes())
+        hash_list(py, manager.sequence(id).map_err(to_py)?.block_hashes())
     }
 
     #[pyo3(signature = (request_id, /))]
     fn num_computed_tokens(&self, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         let id = id_arg(request_id)?;
-        self.lock()?.num_computed_tokens(&id).map_err(to_py)
+        self.lock()?.num_computed_tokens(id).map_err(to_py)
     }
 
     #[pyo3(signature = (request_id, /))]
     fn num_tokens(&self, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         let id = id_arg(request_id)?;
-        Ok(self.lock()?.sequence(&id).map_err(to_py)?.num_tokens())
+        Ok(self.lock()?.sequence(id).map_err(to_py)?.num_tokens())
     }
 
     #[pyo3(signature = (request_id, /))]
@@ -322,7 +329,7 @@ impl PyBlockManager {
     ) -> PyResult<Bound<'py, PyList>> {
         let id = id_arg(request_id)?;
         let manager = self.lock()?;
-        PyList::new(py, manager.sequence(&id).map_err(to_py)?.token_ids())
+        PyList::new(py, manager.sequence(id).map_err(to_py)?.token_ids())
     }
 
     fn make_prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
