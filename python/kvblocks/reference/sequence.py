@@ -39,6 +39,9 @@ class TokenSequence:
         keys = RequestKeys(cache_salt, lora, mm_features)
         if not prompt:
             raise ValueError("invalid prompt length (must be >= 1): 0")
+        self._init(prompt, hasher, keys)
+
+    def _init(self, prompt: list[int], hasher: BlockHasher, keys: RequestKeys) -> None:
         self._hasher = hasher
         self._prompt = tuple(prompt)
         self._prompt_array = _read_only(prompt)
@@ -52,12 +55,7 @@ class TokenSequence:
     ) -> TokenSequence:
         """A sequence from already-validated arguments (for the block manager)."""
         seq = cls.__new__(cls)
-        seq._hasher = hasher
-        seq._prompt = tuple(prompt)
-        seq._prompt_array = _read_only(prompt)
-        seq._all = list(prompt)
-        seq._chain = BlockChain(hasher, keys)
-        seq._chain.extend(seq._all)
+        seq._init(prompt, hasher, keys)
         return seq
 
     def _clone(self) -> TokenSequence:
