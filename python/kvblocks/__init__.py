@@ -14,6 +14,7 @@ from kvblocks._core import (
 )
 from kvblocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvblocks.stats import PrefixCacheStats
+from kvblocks.step import ScheduledStep, StepBuffers
 
 __all__ = [
     "HASH_ALGORITHMS",
@@ -24,6 +25,8 @@ __all__ = [
     "BlockStored",
     "KvBlocksError",
     "PrefixCacheStats",
+    "ScheduledStep",
+    "StepBuffers",
     "TokenSequence",
     "__version__",
 ]

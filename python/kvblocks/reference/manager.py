@@ -5,6 +5,7 @@ hash to blocks. It makes the same decisions as the Rust manager and raises the s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from kvblocks.reference.hashing import (
 )
 from kvblocks.reference.sequence import TokenSequence
 from kvblocks.stats import PrefixCacheStats
+from kvblocks.step import ScheduledStep, StepBuffers
 
 NULL_BLOCK_ID = 0
 
@@ -118,6 +120,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_caching = enable_caching
         self.kv_event_queue: list[KVCacheEvent] | None = [] if enable_events else None
+        self.evicted: list[int] | None = None  # recorded during a batched step
         self.external: Any = None  # set by the manager: bytes -> external event hash
 
     def get_num_free_blocks(self) -> int:
@@ -137,6 +140,8 @@ class BlockPool:
             return
         if not entry:
             del self.cached_block_hash_to_block[key]
+        if self.evicted is not None:
+            self.evicted.append(block.block_id)
         if self.kv_event_queue is not None:
             self.kv_event_queue.append(BlockRemoved(block_hashes=[self.external(key)]))
 
@@ -216,6 +221,36 @@ class _Provenance:
     keys: ExtraKeys
 
 
+def _i64s(obj: Any, what: str) -> list[int]:
+    """An int64-valued 1-D array argument as a list (the native glue's rules)."""
+    if isinstance(obj, np.ndarray):
+        if obj.ndim != 1:
+            raise ValueError(f"{what} must be 1-D")
+        if obj.dtype.kind not in "iu":
+            raise TypeError(f"{what} must have an integer dtype")
+        obj = obj.tolist()
+    return [int_arg(v, what) for v in obj]
+
+
+def _checked_buffers(buffers: Any) -> tuple[Any, Any, Any, Any]:
+    arrays = (
+        buffers.block_table,
+        buffers.slot_mapping,
+        buffers.seq_lens,
+        buffers.query_start_loc,
+    )
+    names = ("block_table", "slot_mapping", "seq_lens", "query_start_loc")
+    for array, name, ndim in zip(arrays, names, (2, 1, 1, 1), strict=True):
+        if not isinstance(array, np.ndarray) or array.dtype != np.int32 or array.ndim != ndim:
+            raise TypeError(f"out.{name} must be a {ndim}-D int32 numpy array")
+    for array in arrays:
+        if not array.flags.writeable:
+            raise ValueError("output buffers must be writeable")
+        if not array.flags.c_contiguous:
+            raise ValueError("output buffers must be C-contiguous")
+    return arrays
+
+
 def _untagged(key: tuple[Any, ...]) -> Any:
     if key[0] == LORA:
         return key[1]
@@ -224,8 +259,25 @@ def _untagged(key: tuple[Any, ...]) -> Any:
     return key[1]  # cache salt or prompt-embeds digest
 
 
-def _id_arg(value: Any) -> str:
-    return str_arg(value, "request_id")
+RequestRef = str | int
+
+
+def _id_arg(value: Any) -> RequestRef:
+    """A request named by its str id or its int handle."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int_arg(value, "request handle")
+    raise TypeError(
+        f"a request is named by its str id or its int handle, got {type(value).__name__}"
+    )
+
+
+@dataclass
+class _Entry:
+    request_id: str
+    generation: int
+    request: _Request | None
 
 
 class BlockManager:
@@ -280,18 +332,52 @@ class BlockManager:
         self.block_pool.external = (
             (lambda h: int.from_bytes(h[-8:], "big")) if events_use_int_block_hashes else bytes
         )
-        self._requests: dict[str, _Request] = {}
+        # The request table: slots reused most recently freed first; a handle is
+        # generation << 32 | slot, so a removed request's handle stays unknown.
+        self._entries: list[_Entry] = []
+        self._free_slots: list[int] = []
+        self._by_id: dict[str, int] = {}
         self._stats = PrefixCacheStats() if log_stats else None
         self._copies: list[tuple[int, int]] = []
         self._provenance: dict[int, _Provenance] = {}
 
     # ---------------------------------------------------------------- requests
 
-    def _request(self, request_id: str) -> _Request:
-        request = self._requests.get(request_id)
-        if request is None:
-            raise KeyError(f"unknown request id {request_id!r}")
+    def _slot(self, ref: RequestRef) -> int:
+        if isinstance(ref, str):
+            slot = self._by_id.get(ref)
+            if slot is None:
+                raise KeyError(f"unknown request id {ref!r}")
+            return slot
+        slot = ref & 0xFFFF_FFFF
+        if ref < 0 or slot >= len(self._entries) or self._handle_of(slot) != ref:
+            raise KeyError(f"unknown request handle {ref}")
+        if self._entries[slot].request is None:
+            raise KeyError(f"unknown request handle {ref}")
+        return slot
+
+    def _handle_of(self, slot: int) -> int:
+        return (self._entries[slot].generation << 32) | slot
+
+    def _request(self, ref: RequestRef) -> _Request:
+        request = self._entries[self._slot(ref)].request
+        assert request is not None
         return request
+
+    def _insert(self, request_id: str, request: _Request) -> int:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            entry = self._entries[slot]
+            entry.generation = (entry.generation + 1) % 2**31
+            entry.request_id, entry.request = request_id, request
+        else:
+            slot = len(self._entries)
+            self._entries.append(_Entry(request_id, 0, request))
+        self._by_id[request_id] = slot
+        return self._handle_of(slot)
+
+    def handle(self, request_id: RequestRef, /) -> int:
+        return self._handle_of(self._slot(_id_arg(request_id)))
 
     def _check_model_len(self, num_tokens: int) -> None:
         if num_tokens > self.max_model_len:
@@ -309,50 +395,58 @@ class BlockManager:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Any = None,
-    ) -> None:
-        request_id = _id_arg(request_id)
+    ) -> int:
+        request_id = str_arg(request_id, "request_id")
         prompt = token_ids(prompt_token_ids)
         keys = RequestKeys(cache_salt, lora, mm_features)
-        if request_id in self._requests:
+        if request_id in self._by_id:
             raise KeyError(f"request id {request_id!r} already exists")
         self._check_model_len(len(prompt))
         if not prompt:
             raise ValueError("invalid prompt length (must be >= 1): 0")
-        self._requests[request_id] = _Request(
-            TokenSequence._from_checked(prompt, self.hasher, keys)
+        return self._insert(
+            request_id, _Request(TokenSequence._from_checked(prompt, self.hasher, keys))
         )
 
-    def append_token_ids(self, request_id: str, token_ids: Any, /) -> None:
+    def append_token_ids(self, request_id: RequestRef, token_ids: Any, /) -> None:
         request_id = _id_arg(request_id)
         tokens = one_or_many_token_ids(token_ids)
         request = self._request(request_id)
         self._check_model_len(request.seq.num_tokens + len(tokens))
         request.seq.append_token_ids(tokens)
 
-    def remove_request(self, request_id: str, /) -> None:
-        request_id = _id_arg(request_id)
-        self.free(request_id)
-        del self._requests[request_id]
+    def remove_request(self, request_id: RequestRef, /) -> None:
+        slot = self._slot(_id_arg(request_id))
+        self._free_request(self._request_at(slot))
+        entry = self._entries[slot]
+        del self._by_id[entry.request_id]
+        entry.request = None
+        self._free_slots.append(slot)
+
+    def _request_at(self, slot: int) -> _Request:
+        request = self._entries[slot].request
+        assert request is not None
+        return request
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._by_id)
 
     def __contains__(self, request_id: object) -> bool:
-        return isinstance(request_id, str) and request_id in self._requests
+        return isinstance(request_id, str) and request_id in self._by_id
 
-    def get_block_ids(self, request_id: str, /) -> list[int]:
+    def get_block_ids(self, request_id: RequestRef, /) -> list[int]:
         return [b.block_id for b in self._request(_id_arg(request_id)).blocks]
 
-    def block_hashes(self, request_id: str, /) -> list[bytes]:
+    def block_hashes(self, request_id: RequestRef, /) -> list[bytes]:
         return self._request(_id_arg(request_id)).seq.block_hashes
 
-    def num_computed_tokens(self, request_id: str, /) -> int:
+    def num_computed_tokens(self, request_id: RequestRef, /) -> int:
         return self._request(_id_arg(request_id)).num_computed_tokens
 
-    def num_tokens(self, request_id: str, /) -> int:
+    def num_tokens(self, request_id: RequestRef, /) -> int:
         return self._request(_id_arg(request_id)).seq.num_tokens
 
-    def get_token_ids(self, request_id: str, /) -> list[int]:
+    def get_token_ids(self, request_id: RequestRef, /) -> list[int]:
         return self._request(_id_arg(request_id)).seq.get_token_ids()
 
     # ---------------------------------------------------------------- lookup
@@ -401,7 +495,7 @@ class BlockManager:
                 return block
         return None
 
-    def get_computed_blocks(self, request_id: str, /) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request_id: RequestRef, /) -> tuple[list[int], int]:
         request = self._request(_id_arg(request_id))
         if not self.enable_caching:
             return [], 0
@@ -451,7 +545,7 @@ class BlockManager:
 
     def allocate_slots(
         self,
-        request_id: str,
+        request_id: RequestRef,
         num_new_tokens: int,
         /,
         *,
@@ -573,8 +667,10 @@ class BlockManager:
             extra_keys=extra_keys or None,
         )
 
-    def free(self, request_id: str, /) -> None:
-        request = self._request(_id_arg(request_id))
+    def free(self, request_id: RequestRef, /) -> None:
+        self._free_request(self._request(_id_arg(request_id)))
+
+    def _free_request(self, request: _Request) -> None:
         if request.blocks:
             request.num_preemptions += 1
         blocks, request.blocks = request.blocks, []
@@ -583,9 +679,9 @@ class BlockManager:
         request.running = False
         self.block_pool.free_blocks(list(reversed(blocks)))
 
-    def fork(self, parent_id: str, child_id: str, /) -> None:
-        parent_id, child_id = _id_arg(parent_id), _id_arg(child_id)
-        if child_id in self._requests:
+    def fork(self, parent_id: RequestRef, child_id: str, /) -> int:
+        parent_id, child_id = _id_arg(parent_id), str_arg(child_id, "request_id")
+        if child_id in self._by_id:
             raise KeyError(f"request id {child_id!r} already exists")
         parent = self._request(parent_id)
         child = _Request(
@@ -595,8 +691,175 @@ class BlockManager:
             num_computed_tokens=parent.num_computed_tokens,
             running=parent.running,
         )
+        handle = self._insert(child_id, child)
         self.block_pool.touch(child.blocks)
-        self._requests[child_id] = child
+        return handle
+
+    # ---------------------------------------------------------------- batched
+
+    def lookup_batch(self, handles: Any, /) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        found = [self.get_computed_blocks(h) for h in _i64s(handles, "handles")]
+        return (
+            np.array([len(blocks) for blocks, _ in found], dtype=np.int32),
+            np.array([n for _, n in found], dtype=np.int32),
+        )
+
+    def _plan_step(
+        self,
+        handles: list[int],
+        new: list[int],
+        hits: list[int] | None,
+        tokens: list[int],
+        offsets: list[int] | None,
+        lookahead: int,
+    ) -> tuple[list[int], int, int]:
+        """The checks of the native ``plan_step``, in the same order; returns the slots, the
+        widest block table after the step and the most tokens it can schedule."""
+        n, b = len(handles), self.block_size
+        for values, what in ((new, "num_new_tokens"), (hits, "num_new_computed_tokens")):
+            if values is not None and len(values) != n:
+                raise ValueError(f"{what} has {len(values)} entries for {n} requests")
+        if offsets is None:
+            if tokens:
+                raise ValueError("new_token_ids needs new_token_offsets")
+        elif not (
+            len(offsets) == n + 1
+            and offsets[0] == 0
+            and all(a <= c for a, c in itertools.pairwise(offsets))
+            and offsets[-1] == len(tokens)
+        ):
+            raise ValueError(
+                "new_token_offsets must have one entry per request plus one, start at 0, never "
+                "decrease and end at len(new_token_ids)"
+            )
+        slots = [self._slot(h) for h in handles]
+        if len(set(slots)) != len(slots):
+            raise ValueError("a request appears twice in one step")
+        if len(self.block_pool.blocks) * b > 2**31 - 1:
+            raise ValueError("num_blocks * block_size does not fit the int32 slot mapping")
+        max_blocks = max_tokens = 0
+        for i, slot in enumerate(slots):
+            request = self._request_at(slot)
+            count, hit = new[i], hits[i] if hits is not None else 0
+            if count < 0:
+                raise ValueError(f"num_new_tokens must be >= 0, got {count}")
+            if hit < 0:
+                raise ValueError(f"num_new_computed_tokens must be >= 0, got {hit}")
+            appended = offsets[i + 1] - offsets[i] if offsets is not None else 0
+            num_tokens = request.seq.num_tokens + appended
+            self._check_model_len(num_tokens)
+            if count == 0 and hit == 0:
+                raise ValueError("num_new_tokens and num_new_computed_tokens are both 0")
+            if hit % b:
+                raise ValueError("num_new_computed_tokens must be a multiple of block_size")
+            if hit and (request.running or request.blocks):
+                raise ValueError("prefix hits can only be added at a request's first allocation")
+            local = request.num_computed_tokens + hit
+            if local + count > num_tokens:
+                raise ValueError(
+                    f"cannot schedule {count} new tokens after {local} computed ones: the "
+                    f"request has {num_tokens} tokens (append them first; drafts are lookahead)"
+                )
+            need = min(min(local, self.max_model_len) + count + lookahead, self.max_model_len)
+            max_blocks = max(max_blocks, -(-need // b), len(request.blocks) + hit // b)
+            max_tokens += count
+        return slots, max_blocks, max_tokens
+
+    def schedule_step(
+        self,
+        handles: Any,
+        num_new_tokens: Any,
+        /,
+        *,
+        num_new_computed_tokens: Any = None,
+        num_lookahead_tokens: int | None = None,
+        new_token_ids: Any = None,
+        new_token_offsets: Any = None,
+        out: StepBuffers | None = None,
+    ) -> ScheduledStep:
+        """The batched step, defined as the per-request calls it stands for: append each
+        request's accepted tokens, then in order look up (for admissions with hits) and
+        allocate, stopping at the first request that does not fit."""
+        handle_list = _i64s(handles, "handles")
+        new = _i64s(num_new_tokens, "num_new_tokens")
+        hits = (
+            None
+            if num_new_computed_tokens is None
+            else _i64s(num_new_computed_tokens, "num_new_computed_tokens")
+        )
+        lookahead = (
+            0
+            if num_lookahead_tokens is None
+            else size_arg(num_lookahead_tokens, "num_lookahead_tokens", 0)
+        )
+        tokens = [] if new_token_ids is None else token_ids(new_token_ids)
+        offsets = (
+            None if new_token_offsets is None else _i64s(new_token_offsets, "new_token_offsets")
+        )
+        slots, max_blocks, max_tokens = self._plan_step(
+            handle_list, new, hits, tokens, offsets, lookahead
+        )
+        n, b = len(slots), self.block_size
+        buffers = out if out is not None else StepBuffers.allocate(n, max_tokens, max_blocks)
+        table, slot_mapping, seq_lens, starts = _checked_buffers(buffers)
+        if not (
+            table.shape[1] >= max_blocks
+            and table.shape[0] >= n
+            and len(slot_mapping) >= max_tokens
+            and len(seq_lens) >= n
+            and len(starts) > n
+        ):
+            raise ValueError(
+                f"output buffers too small: this step needs {n} block-table rows of {max_blocks} "
+                f"columns, {max_tokens} slots, {n} seq_lens and {n + 1} query_start_loc entries"
+            )
+        refs = [self._handle_of(slot) for slot in slots]
+        if offsets is not None:
+            for i, ref in enumerate(refs):
+                self._request(ref).seq.append_token_ids(tokens[offsets[i] : offsets[i + 1]])
+        copies_before = len(self._copies)
+        self.block_pool.evicted = []
+        scheduled = cursor = 0
+        starts[0] = 0
+        for i, ref in enumerate(refs):
+            hit = hits[i] if hits is not None else 0
+            blocks_hit: list[int] = []
+            if hit:
+                blocks_hit = self.get_computed_blocks(ref)[0]
+                if len(blocks_hit) < hit // b:
+                    break
+                blocks_hit = blocks_hit[: hit // b]
+            allocated = self.allocate_slots(
+                ref,
+                new[i],
+                num_new_computed_tokens=hit,
+                new_computed_blocks=blocks_hit,
+                num_lookahead_tokens=lookahead,
+            )
+            if allocated is None:
+                break
+            blocks = self.get_block_ids(ref)
+            table[i, :] = 0
+            table[i, : len(blocks)] = blocks
+            end = self.num_computed_tokens(ref)
+            for position in range(end - new[i], end):
+                slot_mapping[cursor] = blocks[position // b] * b + position % b
+                cursor += 1
+            seq_lens[i] = end
+            starts[i + 1] = cursor
+            scheduled += 1
+        copies, self._copies = self._copies[copies_before:], self._copies[:copies_before]
+        evicted, self.block_pool.evicted = self.block_pool.evicted, None
+        return ScheduledStep(
+            num_scheduled=scheduled,
+            num_scheduled_tokens=cursor,
+            block_table=table[:scheduled],
+            slot_mapping=slot_mapping[:cursor],
+            seq_lens=seq_lens[:scheduled],
+            query_start_loc=starts[: scheduled + 1],
+            block_copies=np.array(copies, dtype=np.int32).reshape(len(copies), 2),
+            evicted_block_ids=np.array(evicted, dtype=np.int32),
+        )
 
     # ---------------------------------------------------------------- pool-wide
 
@@ -641,12 +904,19 @@ class BlockManager:
             "block_keys": [b.block_hash for b in pool.blocks],
             "cached": {k: list(v) for k, v in pool.cached_block_hash_to_block.items()},
             "block_tables": {
-                rid: [b.block_id for b in r.blocks] for rid, r in self._requests.items()
+                e.request_id: [b.block_id for b in e.request.blocks]
+                for e in self._entries
+                if e.request is not None
+            },
+            "handles": {
+                e.request_id: self._handle_of(slot)
+                for slot, e in enumerate(self._entries)
+                if e.request is not None
             },
         }
 
     def __repr__(self) -> str:
         return (
             f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"num_free_blocks={self.num_free_blocks}, num_requests={len(self._requests)})"
+            f"num_free_blocks={self.num_free_blocks}, num_requests={len(self)})"
         )

@@ -10,6 +10,7 @@ mod free_queue;
 pub mod hashing;
 mod manager;
 pub mod pool;
+mod requests;
 mod sequence;
 mod stats;
 
@@ -18,6 +19,7 @@ pub use hashing::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, MmFeature, RequestKeys, DEFAULT_SEED,
     HASH_ALGORITHMS,
 };
-pub use manager::{BlockManager, ManagerConfig};
+pub use manager::{BlockManager, ManagerConfig, StepInput, StepOutput, StepPlan, StepResult};
+pub use requests::RequestRef;
 pub use sequence::TokenSequence;
 pub use stats::PrefixCacheStats;

@@ -4,9 +4,9 @@
 
 use crate::hashing::native;
 use crate::pool::{BlockPool, BlockStored, EventKey, KvEvent, NULL_BLOCK};
+use crate::requests::{RequestRef, Slab};
 use crate::{BlockHash, BlockHasher, CoreError, CoreResult, ExtraKey, PrefixCacheStats};
 use crate::{RequestKeys, TokenSequence};
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// How a manager is built; see [`BlockManager::new`].
@@ -38,6 +38,58 @@ struct Request {
     num_preemptions: u32,
 }
 
+/// The inputs of one batched scheduler step (see [`BlockManager::schedule_step`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepInput<'a> {
+    /// The requests, in scheduling order.
+    pub handles: &'a [i64],
+    /// Tokens to compute for each request this step.
+    pub num_new_tokens: &'a [i64],
+    /// Prefix-cache hit tokens to take at admission (a multiple of the block size), or none.
+    pub num_new_computed_tokens: Option<&'a [i64]>,
+    pub num_lookahead_tokens: usize,
+    /// Accepted tokens to append first: request `i` gets
+    /// `new_token_ids[new_token_offsets[i]..new_token_offsets[i + 1]]`.
+    pub new_token_ids: &'a [u32],
+    pub new_token_offsets: Option<&'a [i64]>,
+}
+
+/// Output sizes of a step, known before it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepPlan {
+    pub num_reqs: usize,
+    /// The widest block table among the requests after the step.
+    pub max_blocks: usize,
+    /// The most slots the step can map (all of `num_new_tokens`).
+    pub max_tokens: usize,
+}
+
+/// Where a step writes the paged-attention metadata of the scheduled requests.
+#[derive(Debug)]
+pub struct StepOutput<'a> {
+    /// Row-major `[rows, width]`; row `i` holds request `i`'s block ids, padded with 0.
+    pub block_table: &'a mut [i32],
+    pub width: usize,
+    /// `block_id * block_size + offset` of each scheduled token, request after request.
+    pub slot_mapping: &'a mut [i32],
+    /// Each request's computed tokens after the step (its context length).
+    pub seq_lens: &'a mut [i32],
+    /// `query_start_loc[i]..query_start_loc[i + 1]` are request `i`'s tokens.
+    pub query_start_loc: &'a mut [i32],
+}
+
+/// What a step did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StepResult {
+    /// Requests `0..num_scheduled` were allocated; the step stopped at the next one.
+    pub num_scheduled: usize,
+    pub num_scheduled_tokens: usize,
+    /// Copy-on-write copies made by this step (not also left for `take_block_copies`).
+    pub block_copies: Vec<[u32; 2]>,
+    /// Blocks whose cached content this step evicted, in order.
+    pub evicted_blocks: Vec<u32>,
+}
+
 /// What a verifying manager remembers of each cached block.
 #[derive(Debug, Clone)]
 struct Provenance {
@@ -56,7 +108,7 @@ pub struct BlockManager {
     max_model_len: usize,
     watermark_blocks: usize,
     pool: BlockPool,
-    requests: HashMap<String, Request>,
+    requests: Slab<Request>,
     stats: Option<PrefixCacheStats>,
     copies: Vec<[u32; 2]>,
     provenance: Option<Provenance>,
@@ -92,7 +144,7 @@ impl BlockManager {
             stats: config.log_stats.then(PrefixCacheStats::default),
             block_size,
             hasher,
-            requests: HashMap::new(),
+            requests: Slab::default(),
             copies: Vec::new(),
             provenance,
             config,
@@ -111,8 +163,13 @@ impl BlockManager {
         &self.pool
     }
 
-    fn request(&self, id: &str) -> CoreResult<&Request> {
-        self.requests.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_owned()))
+    fn slot<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<usize> {
+        self.requests.slot(request.into())
+    }
+
+    fn request<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<&Request> {
+        let slot = self.slot(request)?;
+        self.requests.get(slot).ok_or_else(|| invalid("request slot is empty"))
     }
 
     fn check_model_len(&self, num_tokens: usize) -> CoreResult<()> {
@@ -125,8 +182,9 @@ impl BlockManager {
         Ok(())
     }
 
-    pub fn add_request(&mut self, id: &str, prompt: &[u32], keys: RequestKeys) -> CoreResult<()> {
-        if self.requests.contains_key(id) {
+    /// Adds a request and returns its handle.
+    pub fn add_request(&mut self, id: &str, prompt: &[u32], keys: RequestKeys) -> CoreResult<i64> {
+        if self.requests.contains_id(id) {
             return Err(CoreError::DuplicateRequest(id.to_owned()));
         }
         self.check_model_len(prompt.len())?;
@@ -139,45 +197,56 @@ impl BlockManager {
             running: false,
             num_preemptions: 0,
         };
-        self.requests.insert(id.to_owned(), request);
-        Ok(())
+        Ok(self.requests.insert(id, request)?.1)
     }
 
     /// Appends accepted output tokens; their full blocks are hashed at once.
-    pub fn append_token_ids(&mut self, id: &str, tokens: &[u32]) -> CoreResult<()> {
-        let num_tokens = self.request(id)?.seq.num_tokens();
+    pub fn append_token_ids<'a>(
+        &mut self,
+        request: impl Into<RequestRef<'a>>,
+        tokens: &[u32],
+    ) -> CoreResult<()> {
+        let slot = self.slot(request)?;
+        let num_tokens = self.requests.get(slot).map_or(0, |r| r.seq.num_tokens());
         self.check_model_len(num_tokens.saturating_add(tokens.len()))?;
-        if let Some(request) = self.requests.get_mut(id) {
+        if let Some(request) = self.requests.get_mut(slot) {
             request.seq.append_token_ids(tokens);
         }
         Ok(())
     }
 
     /// Frees the request's blocks and forgets it.
-    pub fn remove_request(&mut self, id: &str) -> CoreResult<()> {
-        self.free(id)?;
-        self.requests.remove(id);
+    pub fn remove_request<'a>(&mut self, request: impl Into<RequestRef<'a>>) -> CoreResult<()> {
+        let slot = self.slot(request)?;
+        self.free_slot(slot);
+        self.requests.remove(slot);
         Ok(())
     }
 
-    pub fn sequence(&self, id: &str) -> CoreResult<&TokenSequence> {
-        Ok(&self.request(id)?.seq)
+    pub fn sequence<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<&TokenSequence> {
+        Ok(&self.request(request)?.seq)
     }
 
-    pub fn block_ids(&self, id: &str) -> CoreResult<&[u32]> {
-        Ok(&self.request(id)?.blocks)
+    pub fn block_ids<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<&[u32]> {
+        Ok(&self.request(request)?.blocks)
     }
 
-    pub fn num_computed_tokens(&self, id: &str) -> CoreResult<usize> {
-        Ok(self.request(id)?.num_computed_tokens)
+    pub fn num_computed_tokens<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<usize> {
+        Ok(self.request(request)?.num_computed_tokens)
+    }
+
+    /// The handle of a request named by id (or the same handle, checked).
+    pub fn handle<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<i64> {
+        Ok(self.requests.handle(self.slot(request)?))
     }
 
     pub fn num_requests(&self) -> usize {
         self.requests.len()
     }
 
-    pub fn request_ids(&self) -> impl Iterator<Item = &str> {
-        self.requests.keys().map(String::as_str)
+    /// `(id, handle, block table)` of every request.
+    pub fn block_tables(&self) -> impl Iterator<Item = (&str, i64, &[u32])> {
+        self.requests.iter().map(|(id, h, r)| (id, h, r.blocks.as_slice()))
     }
 
     fn key_of(&self, hash: &BlockHash) -> BlockHash {
@@ -230,13 +299,21 @@ impl BlockManager {
 
     /// vLLM's `get_computed_blocks`: the longest cached prefix, capped so that at least the
     /// last token is computed. Takes no references.
-    pub fn get_computed_blocks(&self, id: &str) -> CoreResult<(Vec<u32>, usize)> {
-        let request = self.request(id)?;
+    pub fn get_computed_blocks<'a>(
+        &self,
+        request: impl Into<RequestRef<'a>>,
+    ) -> CoreResult<(Vec<u32>, usize)> {
+        let hits = self.computed_blocks(self.request(request)?);
+        let num_tokens = hits.len() * self.block_size;
+        Ok((hits, num_tokens))
+    }
+
+    fn computed_blocks(&self, request: &Request) -> Vec<u32> {
+        let mut hits = Vec::new();
         if !self.config.enable_caching {
-            return Ok((Vec::new(), 0));
+            return hits;
         }
         let max_blocks = request.seq.num_tokens().saturating_sub(1) / self.block_size;
-        let mut hits = Vec::new();
         for index in 0..max_blocks {
             let parent = hits.last().copied().unwrap_or(NO_PARENT);
             match self.find_cached(&request.seq, index, parent) {
@@ -244,8 +321,7 @@ impl BlockManager {
                 None => break,
             }
         }
-        let num_tokens = hits.len() * self.block_size;
-        Ok((hits, num_tokens))
+        hits
     }
 
     fn check_hits(&self, request: &Request, hits: &[u32], hit_tokens: usize) -> CoreResult<()> {
@@ -283,16 +359,34 @@ impl BlockManager {
 
     /// vLLM's `allocate_slots` for one group. Returns the newly allocated block ids, or `None`
     /// (with nothing changed) when the pool cannot provide them.
-    pub fn allocate_slots(
+    pub fn allocate_slots<'a>(
         &mut self,
-        id: &str,
+        request: impl Into<RequestRef<'a>>,
+        num_new_tokens: usize,
+        num_new_computed_tokens: usize,
+        new_computed_blocks: &[u32],
+        num_lookahead_tokens: usize,
+    ) -> CoreResult<Option<Vec<u32>>> {
+        let slot = self.slot(request)?;
+        self.allocate_in(
+            slot,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+        )
+    }
+
+    fn allocate_in(
+        &mut self,
+        slot: usize,
         num_new_tokens: usize,
         num_new_computed_tokens: usize,
         new_computed_blocks: &[u32],
         num_lookahead_tokens: usize,
     ) -> CoreResult<Option<Vec<u32>>> {
         let b = self.block_size;
-        let request = self.request(id)?;
+        let request = self.requests.get(slot).ok_or_else(|| invalid("request slot is empty"))?;
         if num_new_tokens == 0 && num_new_computed_tokens == 0 {
             return Err(invalid("num_new_tokens and num_new_computed_tokens are both 0"));
         }
@@ -328,7 +422,7 @@ impl BlockManager {
         }
 
         // Nothing has changed up to here; from now on the allocation succeeds.
-        let Some(request) = self.requests.get_mut(id) else { return Ok(None) };
+        let Some(request) = self.requests.get_mut(slot) else { return Ok(None) };
         let pool = &mut self.pool;
         let first_admission = !request.running;
         for index in written {
@@ -392,9 +486,14 @@ impl BlockManager {
     /// Releases the request's blocks (tail first) and resets its computed tokens; its tokens
     /// and hashes stay, so it can be scheduled again and hit its own blocks. A request
     /// without blocks is left as it is.
-    pub fn free(&mut self, id: &str) -> CoreResult<()> {
-        let request =
-            self.requests.get_mut(id).ok_or_else(|| CoreError::UnknownRequest(id.to_owned()))?;
+    pub fn free<'a>(&mut self, request: impl Into<RequestRef<'a>>) -> CoreResult<()> {
+        let slot = self.slot(request)?;
+        self.free_slot(slot);
+        Ok(())
+    }
+
+    fn free_slot(&mut self, slot: usize) {
+        let Some(request) = self.requests.get_mut(slot) else { return };
         if !request.blocks.is_empty() {
             request.num_preemptions += 1;
         }
@@ -403,19 +502,219 @@ impl BlockManager {
         request.num_computed_tokens = 0;
         request.running = false;
         self.pool.free_blocks(blocks.iter().rev().copied());
-        Ok(())
     }
 
     /// Parallel sampling: `child` starts as a copy of `parent` sharing all its blocks.
-    pub fn fork(&mut self, parent: &str, child: &str) -> CoreResult<()> {
-        if self.requests.contains_key(child) {
+    /// Returns the child's handle.
+    pub fn fork<'a>(&mut self, parent: impl Into<RequestRef<'a>>, child: &str) -> CoreResult<i64> {
+        if self.requests.contains_id(child) {
             return Err(CoreError::DuplicateRequest(child.to_owned()));
         }
         let mut copy = self.request(parent)?.clone();
         copy.num_preemptions = 0;
-        self.pool.touch(&copy.blocks);
-        self.requests.insert(child.to_owned(), copy);
-        Ok(())
+        let blocks = copy.blocks.clone();
+        let (_, handle) = self.requests.insert(child, copy)?;
+        self.pool.touch(&blocks);
+        Ok(handle)
+    }
+
+    fn size(value: i64, what: &str) -> CoreResult<usize> {
+        usize::try_from(value).map_err(|_| invalid(format!("{what} must be >= 0, got {value}")))
+    }
+
+    /// Checks a step and returns the slots it schedules and the output sizes it needs.
+    /// Changes nothing; every error a step can raise is raised here.
+    pub fn plan_step(&self, input: &StepInput<'_>) -> CoreResult<(Vec<usize>, StepPlan)> {
+        let n = input.handles.len();
+        let b = self.block_size;
+        let same_len = |len: usize, what: &str| {
+            if len == n {
+                Ok(())
+            } else {
+                Err(invalid(format!("{what} has {len} entries for {n} requests")))
+            }
+        };
+        same_len(input.num_new_tokens.len(), "num_new_tokens")?;
+        if let Some(hits) = input.num_new_computed_tokens {
+            same_len(hits.len(), "num_new_computed_tokens")?;
+        }
+        match input.new_token_offsets {
+            None if !input.new_token_ids.is_empty() => {
+                return Err(invalid("new_token_ids needs new_token_offsets"));
+            }
+            None => {}
+            Some(offsets) => {
+                let ok = offsets.len() == n + 1
+                    && offsets.first() == Some(&0)
+                    && offsets.iter().zip(offsets.iter().skip(1)).all(|(a, b)| a <= b)
+                    && offsets.last().copied() == i64::try_from(input.new_token_ids.len()).ok();
+                if !ok {
+                    return Err(invalid(
+                        "new_token_offsets must have one entry per request plus one, start at 0, \
+                         never decrease and end at len(new_token_ids)",
+                    ));
+                }
+            }
+        }
+        let mut slots = Vec::with_capacity(n);
+        for &handle in input.handles {
+            slots.push(self.slot(handle)?);
+        }
+        let mut seen = slots.clone();
+        seen.sort_unstable();
+        if seen.iter().zip(seen.iter().skip(1)).any(|(a, b)| a == b) {
+            return Err(invalid("a request appears twice in one step"));
+        }
+        if self.pool.num_blocks().saturating_mul(b) > i32::MAX as usize {
+            return Err(invalid("num_blocks * block_size does not fit the int32 slot mapping"));
+        }
+        let mut plan = StepPlan { num_reqs: n, max_blocks: 0, max_tokens: 0 };
+        for (i, &slot) in slots.iter().enumerate() {
+            let request =
+                self.requests.get(slot).ok_or_else(|| invalid("request slot is empty"))?;
+            let new =
+                Self::size(input.num_new_tokens.get(i).copied().unwrap_or(0), "num_new_tokens")?;
+            let hit_tokens = match input.num_new_computed_tokens {
+                Some(hits) => {
+                    Self::size(hits.get(i).copied().unwrap_or(0), "num_new_computed_tokens")?
+                }
+                None => 0,
+            };
+            let appended = match input.new_token_offsets {
+                Some(o) => {
+                    (o.get(i + 1).copied().unwrap_or(0) - o.get(i).copied().unwrap_or(0)) as usize
+                }
+                None => 0,
+            };
+            let num_tokens = request.seq.num_tokens() + appended;
+            self.check_model_len(num_tokens)?;
+            if new == 0 && hit_tokens == 0 {
+                return Err(invalid("num_new_tokens and num_new_computed_tokens are both 0"));
+            }
+            if hit_tokens % b != 0 {
+                return Err(invalid("num_new_computed_tokens must be a multiple of block_size"));
+            }
+            if hit_tokens > 0 && (request.running || !request.blocks.is_empty()) {
+                return Err(invalid(
+                    "prefix hits can only be added at a request's first allocation",
+                ));
+            }
+            let local = request.num_computed_tokens + hit_tokens;
+            if local.saturating_add(new) > num_tokens {
+                return Err(invalid(format!(
+                    "cannot schedule {new} new tokens after {local} computed ones: the request \
+                     has {num_tokens} tokens (append them first; drafts are lookahead)"
+                )));
+            }
+            let need = local
+                .min(self.max_model_len)
+                .saturating_add(new)
+                .saturating_add(input.num_lookahead_tokens)
+                .min(self.max_model_len);
+            let blocks_after = need.div_ceil(b).max(request.blocks.len() + hit_tokens / b);
+            plan.max_blocks = plan.max_blocks.max(blocks_after);
+            plan.max_tokens += new;
+        }
+        Ok((slots, plan))
+    }
+
+    /// One scheduler step in one call: appends each request's accepted tokens, then
+    /// allocates for each request in order exactly as `get_computed_blocks` (for admissions
+    /// with hits) and `allocate_slots` would, stopping at the first request that does not
+    /// fit, and writes the scheduled requests' paged-attention metadata into `out`.
+    pub fn schedule_step(
+        &mut self,
+        input: &StepInput<'_>,
+        out: &mut StepOutput<'_>,
+    ) -> CoreResult<StepResult> {
+        let (slots, plan) = self.plan_step(input)?;
+        let b = self.block_size;
+        let fits = out.width >= plan.max_blocks
+            && out.block_table.len() >= plan.num_reqs.saturating_mul(out.width)
+            && out.slot_mapping.len() >= plan.max_tokens
+            && out.seq_lens.len() >= plan.num_reqs
+            && out.query_start_loc.len() > plan.num_reqs;
+        if !fits {
+            return Err(invalid(format!(
+                "output buffers too small: this step needs {} block-table rows of {} columns, \
+                 {} slots, {} seq_lens and {} query_start_loc entries",
+                plan.num_reqs,
+                plan.max_blocks,
+                plan.max_tokens,
+                plan.num_reqs,
+                plan.num_reqs + 1
+            )));
+        }
+        if let Some(offsets) = input.new_token_offsets {
+            for (i, &slot) in slots.iter().enumerate() {
+                let (Some(&lo), Some(&hi)) = (offsets.get(i), offsets.get(i + 1)) else { continue };
+                let tokens = input.new_token_ids.get(lo as usize..hi as usize).unwrap_or_default();
+                if let Some(request) = self.requests.get_mut(slot) {
+                    request.seq.append_token_ids(tokens);
+                }
+            }
+        }
+        let copies_before = self.copies.len();
+        self.pool.record_evictions();
+        let mut result = StepResult::default();
+        if let Some(first) = out.query_start_loc.first_mut() {
+            *first = 0;
+        }
+        for (i, &slot) in slots.iter().enumerate() {
+            let new = input.num_new_tokens.get(i).copied().unwrap_or(0) as usize;
+            let hit_tokens =
+                input.num_new_computed_tokens.and_then(|h| h.get(i)).copied().unwrap_or(0) as usize;
+            let mut hits = Vec::new();
+            if hit_tokens > 0 {
+                let Some(request) = self.requests.get(slot) else { break };
+                hits = self.computed_blocks(request);
+                if hits.len() < hit_tokens / b {
+                    break; // an earlier request of this step evicted part of the prefix
+                }
+                hits.truncate(hit_tokens / b);
+            }
+            let allocated =
+                self.allocate_in(slot, new, hit_tokens, &hits, input.num_lookahead_tokens);
+            match allocated {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) => {
+                    self.pool.stop_recording_evictions();
+                    return Err(e);
+                }
+            }
+            let Some(request) = self.requests.get(slot) else { break };
+            write_row(out, i, &request.blocks);
+            let end = request.num_computed_tokens;
+            for position in end - new..end {
+                let block = request.blocks.get(position / b).copied().unwrap_or(0) as usize;
+                if let Some(s) = out.slot_mapping.get_mut(result.num_scheduled_tokens) {
+                    *s = (block * b + position % b) as i32;
+                }
+                result.num_scheduled_tokens += 1;
+            }
+            if let Some(len) = out.seq_lens.get_mut(i) {
+                *len = end as i32;
+            }
+            if let Some(q) = out.query_start_loc.get_mut(i + 1) {
+                *q = result.num_scheduled_tokens as i32;
+            }
+            result.num_scheduled += 1;
+        }
+        // The step hands its own copies over; earlier ones stay for `take_block_copies`.
+        result.block_copies = self.copies.split_off(copies_before.min(self.copies.len()));
+        result.evicted_blocks = self.pool.stop_recording_evictions();
+        Ok(result)
+    }
+
+    /// For each request, the number of leading blocks and tokens a prefix lookup finds.
+    pub fn lookup_batch(&self, handles: &[i64]) -> CoreResult<Vec<(usize, usize)>> {
+        let mut out = Vec::with_capacity(handles.len());
+        for &handle in handles {
+            let (blocks, tokens) = self.get_computed_blocks(handle)?;
+            out.push((blocks.len(), tokens));
+        }
+        Ok(out)
     }
 
     pub fn num_free_blocks(&self) -> usize {
@@ -448,6 +747,15 @@ impl BlockManager {
     /// The `(src, dst)` block copies queued by copy-on-write since the last call.
     pub fn take_block_copies(&mut self) -> Vec<[u32; 2]> {
         std::mem::take(&mut self.copies)
+    }
+}
+
+/// Writes `blocks` into row `row` of the block table, padding the row with 0.
+fn write_row(out: &mut StepOutput<'_>, row: usize, blocks: &[u32]) {
+    let start = row * out.width;
+    if let Some(cells) = out.block_table.get_mut(start..start + out.width) {
+        cells.fill(0);
+        cells.iter_mut().zip(blocks).for_each(|(cell, &block)| *cell = block as i32);
     }
 }
 

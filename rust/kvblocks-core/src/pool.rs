@@ -70,6 +70,8 @@ pub struct BlockPool {
     cached: DigestMap<Vec<u32>>,
     enable_caching: bool,
     events: Option<Vec<KvEvent>>,
+    /// While `Some`, the blocks whose cache entry was evicted (a batched step's record).
+    evicted: Option<Vec<u32>>,
 }
 
 impl BlockPool {
@@ -84,6 +86,7 @@ impl BlockPool {
             cached: DigestMap::default(),
             enable_caching,
             events: enable_events.then(Vec::new),
+            evicted: None,
         }
     }
 
@@ -139,6 +142,16 @@ impl BlockPool {
         self.emit(KvEvent::BlockStored(stored));
     }
 
+    /// Starts recording evicted blocks (see [`BlockPool::stop_recording_evictions`]).
+    pub fn record_evictions(&mut self) {
+        self.evicted = Some(Vec::new());
+    }
+
+    /// The blocks evicted since `record_evictions`, in order; recording stops.
+    pub fn stop_recording_evictions(&mut self) -> Vec<u32> {
+        self.evicted.take().unwrap_or_default()
+    }
+
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
@@ -155,6 +168,9 @@ impl BlockPool {
         }
         if blocks.is_empty() {
             self.cached.remove(&key);
+        }
+        if let Some(evicted) = &mut self.evicted {
+            evicted.push(block);
         }
         self.emit(KvEvent::BlockRemoved(key));
     }

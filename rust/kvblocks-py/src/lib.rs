@@ -4,6 +4,7 @@
 mod args;
 mod errors;
 mod hasher;
+mod ints;
 mod keys;
 mod manager;
 mod sequence;

@@ -3,15 +3,19 @@
 use crate::args::{int_arg, size_arg, str_arg};
 use crate::errors::{poisoned, to_py};
 use crate::hasher::{hash_bytes, hash_list, PyBlockHasher};
+use crate::ints::extract_i64s;
 use crate::keys::request_keys;
 use crate::tokens::{extract_one_or_many, extract_token_ids};
 use kvblocks_core::pool::{EventKey, KvEvent};
-use kvblocks_core::{resolve_seed, BlockHash, BlockHasher, BlockManager, HashAlgo, ManagerConfig};
-use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use kvblocks_core::{
+    resolve_seed, BlockHash, BlockHasher, BlockManager, HashAlgo, ManagerConfig, RequestRef,
+    StepInput, StepOutput,
+};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyDict, PyInt, PyList, PySlice, PyString, PyTuple, PyType};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 #[pyclass(frozen, module = "kvblocks._core", name = "BlockManager")]
@@ -25,9 +29,26 @@ static BLOCK_STORED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static BLOCK_REMOVED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static PREFIX_CACHE_STATS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static SCHEDULED_STEP: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
-/// A request id, borrowed from the Python `str` (no copy on the hot path).
-fn id_arg<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
+type Int32Array<'py> = Bound<'py, PyArray1<i32>>;
+
+/// A request: its `str` id (borrowed, no copy) or its int handle.
+fn id_arg<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<RequestRef<'a>> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(RequestRef::Id(s.to_str()?));
+    }
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        return Ok(RequestRef::Handle(int_arg(obj, "request handle")?));
+    }
+    Err(PyTypeError::new_err(format!(
+        "a request is named by its str id or its int handle, got {}",
+        obj.get_type().name()?
+    )))
+}
+
+/// A new request's id: a `str`.
+fn new_id_arg<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
     match obj.cast::<PyString>() {
         Ok(s) => s.to_str(),
         Err(_) => Err(PyTypeError::new_err(format!(
@@ -223,8 +244,8 @@ impl PyBlockManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora: Option<&Bound<'_, PyAny>>,
         mm_features: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let id = id_arg(request_id)?;
+    ) -> PyResult<i64> {
+        let id = new_id_arg(request_id)?;
         let tokens = extract_token_ids(prompt_token_ids)?;
         let keys = request_keys(cache_salt, lora, mm_features)?;
         self.lock()?.add_request(id, tokens.as_slice(), keys).map_err(to_py)
@@ -287,9 +308,139 @@ impl PyBlockManager {
     }
 
     #[pyo3(signature = (parent_id, child_id, /))]
-    fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (parent, child) = (id_arg(parent_id)?, id_arg(child_id)?);
+    fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<i64> {
+        let (parent, child) = (id_arg(parent_id)?, new_id_arg(child_id)?);
         self.lock()?.fork(parent, child).map_err(to_py)
+    }
+
+    /// The int handle of a request (named by id or handle).
+    #[pyo3(signature = (request_id, /))]
+    fn handle(&self, request_id: &Bound<'_, PyAny>) -> PyResult<i64> {
+        let id = id_arg(request_id)?;
+        self.lock()?.handle(id).map_err(to_py)
+    }
+
+    /// For each request, how many leading blocks and tokens a prefix lookup finds, as two
+    /// int32 arrays. Takes no references.
+    #[pyo3(signature = (handles, /))]
+    fn lookup_batch<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+    ) -> PyResult<(Int32Array<'py>, Int32Array<'py>)> {
+        let handles = extract_i64s(handles, "handles")?;
+        let found = self.lock()?.lookup_batch(handles.as_slice()).map_err(to_py)?;
+        let blocks: Vec<i32> = found.iter().map(|&(b, _)| b as i32).collect();
+        let tokens: Vec<i32> = found.iter().map(|&(_, t)| t as i32).collect();
+        Ok((PyArray1::from_vec(py, blocks), PyArray1::from_vec(py, tokens)))
+    }
+
+    /// One scheduler step in one call; see the README ("Batched steps").
+    #[pyo3(signature = (
+        handles, num_new_tokens, /, *, num_new_computed_tokens = None, num_lookahead_tokens = None,
+        new_token_ids = None, new_token_offsets = None, out = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn schedule_step<'py>(
+        &self,
+        py: Python<'py>,
+        handles: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+        num_new_computed_tokens: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: Option<&Bound<'py, PyAny>>,
+        new_token_ids: Option<&Bound<'py, PyAny>>,
+        new_token_offsets: Option<&Bound<'py, PyAny>>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let present = |o: Option<&Bound<'py, PyAny>>| o.filter(|v| !v.is_none()).cloned();
+        let handles = extract_i64s(handles, "handles")?;
+        let new_counts = extract_i64s(num_new_tokens, "num_new_tokens")?;
+        let hits = present(num_new_computed_tokens)
+            .map(|h| extract_i64s(&h, "num_new_computed_tokens"))
+            .transpose()?;
+        let lookahead = match present(num_lookahead_tokens) {
+            Some(l) => size_arg(&l, "num_lookahead_tokens", 0)?,
+            None => 0,
+        };
+        let tokens = present(new_token_ids).map(|t| extract_token_ids(&t)).transpose()?;
+        let offsets = present(new_token_offsets)
+            .map(|o| extract_i64s(&o, "new_token_offsets"))
+            .transpose()?;
+        let input = StepInput {
+            handles: handles.as_slice(),
+            num_new_tokens: new_counts.as_slice(),
+            num_new_computed_tokens: hits.as_ref().map(|h| h.as_slice()),
+            num_lookahead_tokens: lookahead,
+            new_token_ids: tokens.as_ref().map_or(&[], |t| t.as_slice()),
+            new_token_offsets: offsets.as_ref().map(|o| o.as_slice()),
+        };
+        let mut manager = self.lock()?;
+        let (_, plan) = manager.plan_step(&input).map_err(to_py)?;
+        let buffers = match present(out) {
+            Some(buffers) => [
+                buffers.getattr("block_table")?,
+                buffers.getattr("slot_mapping")?,
+                buffers.getattr("seq_lens")?,
+                buffers.getattr("query_start_loc")?,
+            ],
+            None => [
+                PyArray2::<i32>::zeros(py, [plan.num_reqs, plan.max_blocks], false).into_any(),
+                PyArray1::<i32>::zeros(py, plan.max_tokens, false).into_any(),
+                PyArray1::<i32>::zeros(py, plan.num_reqs, false).into_any(),
+                PyArray1::<i32>::zeros(py, plan.num_reqs + 1, false).into_any(),
+            ],
+        };
+        let [table, slots, lens, starts] = &buffers;
+        let table = table
+            .cast::<PyArray2<i32>>()
+            .map_err(|_| PyTypeError::new_err("out.block_table must be a 2-D int32 numpy array"))?;
+        let width = table.shape().get(1).copied().unwrap_or(0);
+        let one_d = |a: &Bound<'py, PyAny>, what: &str| -> PyResult<Bound<'py, PyArray1<i32>>> {
+            a.cast::<PyArray1<i32>>().cloned().map_err(|_| {
+                PyTypeError::new_err(format!("out.{what} must be a 1-D int32 numpy array"))
+            })
+        };
+        let (slots, lens, starts) = (
+            one_d(slots, "slot_mapping")?,
+            one_d(lens, "seq_lens")?,
+            one_d(starts, "query_start_loc")?,
+        );
+        let contiguous =
+            |e| PyValueError::new_err(format!("output buffers must be C-contiguous: {e}"));
+        let mut table_rw =
+            table.try_readwrite().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut slots_rw =
+            slots.try_readwrite().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut lens_rw = lens.try_readwrite().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut starts_rw =
+            starts.try_readwrite().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let mut step_out = StepOutput {
+            block_table: table_rw.as_slice_mut().map_err(contiguous)?,
+            width,
+            slot_mapping: slots_rw.as_slice_mut().map_err(contiguous)?,
+            seq_lens: lens_rw.as_slice_mut().map_err(contiguous)?,
+            query_start_loc: starts_rw.as_slice_mut().map_err(contiguous)?,
+        };
+        let result = manager.schedule_step(&input, &mut step_out).map_err(to_py)?;
+        drop((table_rw, slots_rw, lens_rw, starts_rw));
+        drop(manager);
+        let cut = |a: &Bound<'py, PyAny>, n: usize| a.get_item(PySlice::new(py, 0, n as isize, 1));
+        let n = result.num_scheduled;
+        let copies: Vec<i32> = result.block_copies.iter().flatten().map(|&b| b as i32).collect();
+        let evicted: Vec<i32> = result.evicted_blocks.iter().map(|&b| b as i32).collect();
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("num_scheduled", n)?;
+        kwargs.set_item("num_scheduled_tokens", result.num_scheduled_tokens)?;
+        kwargs.set_item("block_table", cut(table.as_any(), n)?)?;
+        kwargs.set_item("slot_mapping", cut(slots.as_any(), result.num_scheduled_tokens)?)?;
+        kwargs.set_item("seq_lens", cut(lens.as_any(), n)?)?;
+        kwargs.set_item("query_start_loc", cut(starts.as_any(), n + 1)?)?;
+        kwargs.set_item(
+            "block_copies",
+            PyArray1::from_vec(py, copies).reshape([result.block_copies.len(), 2])?,
+        )?;
+        kwargs.set_item("evicted_block_ids", PyArray1::from_vec(py, evicted))?;
+        SCHEDULED_STEP.import(py, "kvblocks.step", "ScheduledStep")?.call((), Some(&kwargs))
     }
 
     #[pyo3(signature = (request_id, /))]
@@ -390,10 +541,13 @@ impl PyBlockManager {
         }
         state.set_item("cached", cached)?;
         let tables = PyDict::new(py);
-        for id in manager.request_ids() {
-            tables.set_item(id, manager.block_ids(id).map_err(to_py)?.to_vec())?;
+        let handles = PyDict::new(py);
+        for (id, handle, blocks) in manager.block_tables() {
+            tables.set_item(id, blocks.to_vec())?;
+            handles.set_item(id, handle)?;
         }
         state.set_item("block_tables", tables)?;
+        state.set_item("handles", handles)?;
         Ok(state)
     }
 
