@@ -149,6 +149,57 @@ class ManagerPair(RuleBasedStateMachine):
         self.both("fork", parent, child)
         return child
 
+    @rule(
+        rids=st.lists(IDS, min_size=1, max_size=4, unique=True),
+        data=st.data(),
+    )
+    def batched_step(self, rids: list[str], data: st.DataObject) -> None:
+        """One schedule_step over several requests (the twin defines it as the per-request
+        calls, so equal results prove the native batch does exactly those calls)."""
+        live = [r for r in rids if r in self.rust]
+        if not live:
+            return
+        handles = [self.rust.handle(r) for r in live]
+        tokens = [data.draw(st.lists(st.integers(0, 6), max_size=2)) for _ in live]
+        offsets = [0]
+        for t in tokens:
+            offsets.append(offsets[-1] + len(t))
+        new, hits = [], []
+        for rid, t in zip(live, tokens, strict=True):
+            computed = self.rust.num_computed_tokens(rid)
+            hit = 0
+            if computed == 0 and data.draw(st.booleans()):
+                hit = self.rust.get_computed_blocks(rid)[1]
+            todo = self.rust.num_tokens(rid) + len(t) - computed - hit
+            new.append(min(data.draw(st.integers(1, 12)), todo))
+            hits.append(hit)
+        kwargs = {
+            "num_new_computed_tokens": hits,
+            "new_token_ids": [x for t in tokens for x in t],
+            "new_token_offsets": offsets,
+            "num_lookahead_tokens": data.draw(st.sampled_from([0, 0, 2])),
+        }
+
+        def run(m: Any) -> Any:
+            step = m.schedule_step(handles, new, **kwargs)
+            return (
+                step.num_scheduled,
+                step.num_scheduled_tokens,
+                step.block_table.tolist(),
+                step.slot_mapping.tolist(),
+                step.seq_lens.tolist(),
+                step.query_start_loc.tolist(),
+                step.block_copies.tolist(),
+                step.evicted_block_ids.tolist(),
+            )
+
+        a, b = outcome(lambda: run(self.rust)), outcome(lambda: run(self.twin))
+        assert a == b, (a, b)
+        if a[0] == "ok" and a[1][0] < len(live):
+            event("batched step stopped early")
+        elif a[0] == "ok":
+            event("batched step scheduled all")
+
     @rule()
     def reset(self) -> None:
         self.both("reset_prefix_cache")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -34,8 +35,7 @@ class StepBuffers:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledStep:
+class ScheduledStep(NamedTuple):
     """What ``BlockManager.schedule_step`` did and the metadata of the scheduled requests.
 
     Requests ``0 .. num_scheduled - 1`` of the step were allocated (the step stops at the first

@@ -628,6 +628,18 @@ impl BlockManager {
         out: &mut StepOutput<'_>,
     ) -> CoreResult<StepResult> {
         let (slots, plan) = self.plan_step(input)?;
+        self.run_planned_step(input, &slots, plan, out)
+    }
+
+    /// [`BlockManager::schedule_step`] after [`BlockManager::plan_step`] accepted `input` and
+    /// nothing changed since (the glue plans first to size the output arrays).
+    pub fn run_planned_step(
+        &mut self,
+        input: &StepInput<'_>,
+        slots: &[usize],
+        plan: StepPlan,
+        out: &mut StepOutput<'_>,
+    ) -> CoreResult<StepResult> {
         let b = self.block_size;
         let fits = out.width >= plan.max_blocks
             && out.block_table.len() >= plan.num_reqs.saturating_mul(out.width)

@@ -375,7 +375,7 @@ impl PyBlockManager {
             new_token_offsets: offsets.as_ref().map(|o| o.as_slice()),
         };
         let mut manager = self.lock()?;
-        let (_, plan) = manager.plan_step(&input).map_err(to_py)?;
+        let (slots_of_reqs, plan) = manager.plan_step(&input).map_err(to_py)?;
         let buffers = match present(out) {
             Some(buffers) => [
                 buffers.getattr("block_table")?,
@@ -421,26 +421,25 @@ impl PyBlockManager {
             seq_lens: lens_rw.as_slice_mut().map_err(contiguous)?,
             query_start_loc: starts_rw.as_slice_mut().map_err(contiguous)?,
         };
-        let result = manager.schedule_step(&input, &mut step_out).map_err(to_py)?;
+        let result =
+            manager.run_planned_step(&input, &slots_of_reqs, plan, &mut step_out).map_err(to_py)?;
         drop((table_rw, slots_rw, lens_rw, starts_rw));
         drop(manager);
         let cut = |a: &Bound<'py, PyAny>, n: usize| a.get_item(PySlice::new(py, 0, n as isize, 1));
         let n = result.num_scheduled;
         let copies: Vec<i32> = result.block_copies.iter().flatten().map(|&b| b as i32).collect();
         let evicted: Vec<i32> = result.evicted_blocks.iter().map(|&b| b as i32).collect();
-        let kwargs = PyDict::new(py);
-        kwargs.set_item("num_scheduled", n)?;
-        kwargs.set_item("num_scheduled_tokens", result.num_scheduled_tokens)?;
-        kwargs.set_item("block_table", cut(table.as_any(), n)?)?;
-        kwargs.set_item("slot_mapping", cut(slots.as_any(), result.num_scheduled_tokens)?)?;
-        kwargs.set_item("seq_lens", cut(lens.as_any(), n)?)?;
-        kwargs.set_item("query_start_loc", cut(starts.as_any(), n + 1)?)?;
-        kwargs.set_item(
-            "block_copies",
+        let fields = (
+            n,
+            result.num_scheduled_tokens,
+            cut(table.as_any(), n)?,
+            cut(slots.as_any(), result.num_scheduled_tokens)?,
+            cut(lens.as_any(), n)?,
+            cut(starts.as_any(), n + 1)?,
             PyArray1::from_vec(py, copies).reshape([result.block_copies.len(), 2])?,
-        )?;
-        kwargs.set_item("evicted_block_ids", PyArray1::from_vec(py, evicted))?;
-        SCHEDULED_STEP.import(py, "kvblocks.step", "ScheduledStep")?.call((), Some(&kwargs))
+            PyArray1::from_vec(py, evicted),
+        );
+        SCHEDULED_STEP.import(py, "kvblocks.step", "ScheduledStep")?.call1(fields)
     }
 
     #[pyo3(signature = (request_id, /))]
