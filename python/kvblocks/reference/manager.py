@@ -318,10 +318,15 @@ class BlockManager:
             max_model_len = size_arg(max_model_len, "max_model_len", 1)
         if _debug_key_bytes is not None:
             _debug_key_bytes = size_arg(_debug_key_bytes, "_debug_key_bytes", 1)
-        if not 0.0 <= watermark <= 1.0:
-            raise ValueError(f"watermark must be in [0, 1], got {watermark}")
         if num_blocks >= 2**32 - 1:
             raise ValueError(f"invalid num_blocks: {num_blocks}")
+        if num_blocks * block_size > 2**31 - 1:
+            raise ValueError(
+                f"num_blocks * block_size = {num_blocks} * {block_size} exceeds the int32 "
+                "slot range"
+            )
+        if not 0.0 <= watermark <= 1.0:
+            raise ValueError(f"watermark must be in [0, 1], got {watermark}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len if max_model_len is not None else 2**64
@@ -735,8 +740,6 @@ class BlockManager:
         slots = [self._slot(h) for h in handles]
         if len(set(slots)) != len(slots):
             raise ValueError("a request appears twice in one step")
-        if len(self.block_pool.blocks) * b > 2**31 - 1:
-            raise ValueError("num_blocks * block_size does not fit the int32 slot mapping")
         max_blocks = max_tokens = 0
         for i, slot in enumerate(slots):
             request = self._request_at(slot)

@@ -22,6 +22,8 @@ pub enum CoreError {
     DuplicateRequest(String),
     /// An argument is inconsistent with the manager's state (the message says how).
     InvalidArgument(String),
+    /// A requested size could not be allocated.
+    OutOfMemory { what: &'static str, bytes: usize },
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
@@ -43,8 +45,21 @@ impl fmt::Display for CoreError {
             Self::UnknownRequest(id) => write!(f, "unknown request id {id:?}"),
             Self::DuplicateRequest(id) => write!(f, "request id {id:?} already exists"),
             Self::InvalidArgument(msg) => f.write_str(msg),
+            Self::OutOfMemory { what, bytes } => {
+                write!(f, "cannot allocate {bytes} bytes for {what}")
+            }
         }
     }
 }
 
 impl std::error::Error for CoreError {}
+
+/// `n` copies of `value`, or `OutOfMemory` instead of aborting the process when the
+/// allocation fails (sizes come from user arguments).
+pub(crate) fn try_filled<T: Clone>(n: usize, value: T, what: &'static str) -> CoreResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| CoreError::OutOfMemory { what, bytes: n.saturating_mul(size_of::<T>()) })?;
+    v.resize(n, value);
+    Ok(v)
+}

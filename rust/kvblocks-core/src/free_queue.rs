@@ -1,6 +1,8 @@
 //! The free block queue: an intrusive doubly linked list over block ids, in eviction order
 //! (head first). O(1) removal from the middle, as vLLM's `FreeKVCacheBlockQueue`.
 
+use crate::{try_filled, CoreResult};
+
 const NIL: u32 = u32::MAX;
 
 #[derive(Debug, Clone)]
@@ -25,11 +27,12 @@ fn set(v: &mut [u32], i: u32, value: u32) {
 
 impl FreeQueue {
     /// Every block `0..num_blocks`, linked in id order.
-    pub fn new(num_blocks: u32) -> Self {
+    pub fn new(num_blocks: u32) -> CoreResult<Self> {
+        let n = num_blocks as usize;
         let mut queue = Self {
-            prev: vec![NIL; num_blocks as usize],
-            next: vec![NIL; num_blocks as usize],
-            queued: vec![false; num_blocks as usize],
+            prev: try_filled(n, NIL, "the free queue")?,
+            next: try_filled(n, NIL, "the free queue")?,
+            queued: try_filled(n, false, "the free queue")?,
             head: NIL,
             tail: NIL,
             len: 0,
@@ -37,7 +40,7 @@ impl FreeQueue {
         for b in 0..num_blocks {
             queue.push_back(b);
         }
-        queue
+        Ok(queue)
     }
 
     pub fn len(&self) -> usize {
@@ -138,7 +141,7 @@ mod tests {
 
     #[test]
     fn keeps_links_and_count() {
-        let mut q = FreeQueue::new(5);
+        let mut q = FreeQueue::new(5).unwrap();
         assert_eq!(q.iter().collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
         assert_eq!(q.pop_front(), Some(0));
         q.remove(2);

@@ -14,6 +14,7 @@ mod requests;
 mod sequence;
 mod stats;
 
+pub(crate) use error::try_filled;
 pub use error::{CoreError, CoreResult};
 pub use hashing::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, MmFeature, RequestKeys, DEFAULT_SEED,

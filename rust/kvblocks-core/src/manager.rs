@@ -5,7 +5,9 @@
 use crate::hashing::native;
 use crate::pool::{BlockPool, BlockStored, EventKey, KvEvent, NULL_BLOCK};
 use crate::requests::{RequestRef, Slab};
-use crate::{BlockHash, BlockHasher, CoreError, CoreResult, ExtraKey, PrefixCacheStats};
+use crate::{
+    try_filled, BlockHash, BlockHasher, CoreError, CoreResult, ExtraKey, PrefixCacheStats,
+};
 use crate::{RequestKeys, TokenSequence};
 use std::sync::Arc;
 
@@ -125,20 +127,30 @@ impl BlockManager {
             .ok()
             .filter(|n| *n >= 1 && *n < u32::MAX)
             .ok_or(CoreError::InvalidSize { what: "num_blocks", value: config.num_blocks })?;
+        let block_size = hasher.block_size();
+        // Slot ids (block * block_size + offset) travel as int32, as in paged-attention kernels.
+        if config.num_blocks.checked_mul(block_size).is_none_or(|slots| slots > i32::MAX as usize) {
+            return Err(invalid(format!(
+                "num_blocks * block_size = {} * {block_size} exceeds the int32 slot range",
+                config.num_blocks
+            )));
+        }
         if !(0.0..=1.0).contains(&config.watermark) {
             return Err(invalid(format!("watermark must be in [0, 1], got {}", config.watermark)));
         }
         if config.max_model_len == Some(0) {
             return Err(CoreError::InvalidSize { what: "max_model_len (must be >= 1)", value: 0 });
         }
-        let block_size = hasher.block_size();
-        let provenance = config.verify_tokens.then(|| Provenance {
-            tokens: vec![0; config.num_blocks.saturating_mul(block_size)],
-            parent: vec![NO_PARENT; config.num_blocks],
-            keys: vec![None; config.num_blocks],
-        });
+        let provenance = match config.verify_tokens {
+            true => Some(Provenance {
+                tokens: try_filled(config.num_blocks * block_size, 0, "verified block tokens")?,
+                parent: try_filled(config.num_blocks, NO_PARENT, "verified block parents")?,
+                keys: try_filled(config.num_blocks, None, "verified block keys")?,
+            }),
+            false => None,
+        };
         Ok(Self {
-            pool: BlockPool::new(num_blocks, config.enable_caching, config.enable_events),
+            pool: BlockPool::new(num_blocks, config.enable_caching, config.enable_events)?,
             watermark_blocks: (config.watermark * config.num_blocks as f64) as usize,
             max_model_len: config.max_model_len.unwrap_or(usize::MAX),
             stats: config.log_stats.then(PrefixCacheStats::default),
@@ -564,9 +576,6 @@ impl BlockManager {
         seen.sort_unstable();
         if seen.iter().zip(seen.iter().skip(1)).any(|(a, b)| a == b) {
             return Err(invalid("a request appears twice in one step"));
-        }
-        if self.pool.num_blocks().saturating_mul(b) > i32::MAX as usize {
-            return Err(invalid("num_blocks * block_size does not fit the int32 slot mapping"));
         }
         let mut plan = StepPlan { num_reqs: n, max_blocks: 0, max_tokens: 0 };
         for (i, &slot) in slots.iter().enumerate() {

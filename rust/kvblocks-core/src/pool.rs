@@ -3,6 +3,7 @@
 
 use crate::free_queue::FreeQueue;
 use crate::hashing::BlockHash;
+use crate::{try_filled, CoreResult};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -76,18 +77,18 @@ pub struct BlockPool {
 
 impl BlockPool {
     /// `num_blocks >= 1`; block 0 is taken as the null block at once.
-    pub fn new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> Self {
-        let mut queue = FreeQueue::new(num_blocks);
+    pub fn new(num_blocks: u32, enable_caching: bool, enable_events: bool) -> CoreResult<Self> {
+        let mut queue = FreeQueue::new(num_blocks)?;
         queue.remove(NULL_BLOCK);
-        Self {
-            ref_cnt: vec![0; num_blocks as usize],
-            key: vec![None; num_blocks as usize],
+        Ok(Self {
+            ref_cnt: try_filled(num_blocks as usize, 0, "block reference counts")?,
+            key: try_filled(num_blocks as usize, None, "block keys")?,
             queue,
             cached: DigestMap::default(),
             enable_caching,
             events: enable_events.then(Vec::new),
             evicted: None,
-        }
+        })
     }
 
     pub fn num_blocks(&self) -> usize {

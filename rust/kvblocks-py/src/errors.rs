@@ -2,7 +2,7 @@
 
 use kvblocks_core::CoreError;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyKeyError, PyValueError};
+use pyo3::exceptions::{PyException, PyKeyError, PyMemoryError, PyValueError};
 use pyo3::PyErr;
 
 create_exception!(
@@ -25,6 +25,7 @@ pub fn to_py(err: CoreError) -> PyErr {
             PyKeyError::new_err(err.to_string())
         }
         CoreError::Randomness(_) => KvBlocksError::new_err(err.to_string()),
+        CoreError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
     }
 }
 

@@ -2,7 +2,7 @@
 
 use crate::args::{int_arg, size_arg, str_arg};
 use crate::errors::{poisoned, to_py};
-use crate::hasher::{hash_bytes, hash_list, PyBlockHasher};
+use crate::hasher::{hash_bytes, hash_list, PyBlockHasher, DETACH_MIN_TOKENS};
 use crate::ints::extract_i64s;
 use crate::keys::request_keys;
 use crate::tokens::{extract_one_or_many, extract_token_ids};
@@ -14,7 +14,7 @@ use kvblocks_core::{
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
+use pyo3::sync::{MutexExt, PyOnceLock};
 use pyo3::types::{PyBool, PyDict, PyInt, PyList, PySlice, PyString, PyTuple, PyType};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -30,6 +30,9 @@ static BLOCK_REMOVED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static PREFIX_CACHE_STATS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static SCHEDULED_STEP: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// Steps over at least this many requests release the GIL.
+const DETACH_MIN_REQUESTS: usize = 128;
 
 type Int32Array<'py> = Bound<'py, PyArray1<i32>>;
 
@@ -71,8 +74,10 @@ fn block_ids_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 }
 
 impl PyBlockManager {
+    /// Locks the manager; a thread that has to wait detaches from the interpreter, so a
+    /// holder that released the GIL for long work can always finish.
     fn lock(&self) -> PyResult<MutexGuard<'_, BlockManager>> {
-        self.inner.lock().map_err(|_| poisoned())
+        Python::attach(|py| self.inner.lock_py_attached(py)).map_err(|_| poisoned())
     }
 
     fn external<'py>(&self, py: Python<'py>, hash: &BlockHash) -> PyResult<Bound<'py, PyAny>> {
@@ -239,6 +244,7 @@ impl PyBlockManager {
     #[pyo3(signature = (request_id, prompt_token_ids, /, *, cache_salt = None, lora = None, mm_features = None))]
     fn add_request(
         &self,
+        py: Python<'_>,
         request_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
         cache_salt: Option<&Bound<'_, PyAny>>,
@@ -248,18 +254,29 @@ impl PyBlockManager {
         let id = new_id_arg(request_id)?;
         let tokens = extract_token_ids(prompt_token_ids)?;
         let keys = request_keys(cache_salt, lora, mm_features)?;
-        self.lock()?.add_request(id, tokens.as_slice(), keys).map_err(to_py)
+        let tokens = tokens.as_slice();
+        let mut manager = self.lock()?;
+        let manager = &mut *manager;
+        let add = || manager.add_request(id, tokens, keys);
+        let added = if tokens.len() >= DETACH_MIN_TOKENS { py.detach(add) } else { add() };
+        added.map_err(to_py)
     }
 
     #[pyo3(signature = (request_id, token_ids, /))]
     fn append_token_ids(
         &self,
+        py: Python<'_>,
         request_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let id = id_arg(request_id)?;
         let tokens = extract_one_or_many(token_ids)?;
-        self.lock()?.append_token_ids(id, tokens.as_slice()).map_err(to_py)
+        let tokens = tokens.as_slice();
+        let mut manager = self.lock()?;
+        let manager = &mut *manager;
+        let mut append = || manager.append_token_ids(id, tokens);
+        let done = if tokens.len() >= DETACH_MIN_TOKENS { py.detach(append) } else { append() };
+        done.map_err(to_py)
     }
 
     #[pyo3(signature = (request_id, /))]
@@ -421,8 +438,12 @@ impl PyBlockManager {
             seq_lens: lens_rw.as_slice_mut().map_err(contiguous)?,
             query_start_loc: starts_rw.as_slice_mut().map_err(contiguous)?,
         };
-        let result =
-            manager.run_planned_step(&input, &slots_of_reqs, plan, &mut step_out).map_err(to_py)?;
+        let core = &mut *manager;
+        let mut run = || core.run_planned_step(&input, &slots_of_reqs, plan, &mut step_out);
+        // Large batches run without the GIL (the arrays are read and written in place, so
+        // another thread must not write to them meanwhile: the caller's race, as in hashlib).
+        let result = if plan.num_reqs >= DETACH_MIN_REQUESTS { py.detach(run) } else { run() };
+        let result = result.map_err(to_py)?;
         drop((table_rw, slots_rw, lens_rw, starts_rw));
         drop(manager);
         let cut = |a: &Bound<'py, PyAny>, n: usize| a.get_item(PySlice::new(py, 0, n as isize, 1));

@@ -9,6 +9,7 @@ use kvblocks_core::TokenSequence;
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -28,8 +29,10 @@ fn read_only<'py>(array: Bound<'py, PyArray1<u32>>) -> PyResult<Bound<'py, PyArr
 }
 
 impl PyTokenSequence {
+    /// Locks the sequence; a thread that has to wait detaches from the interpreter, so a
+    /// holder that released the GIL for long work can always finish.
     fn lock(&self) -> PyResult<MutexGuard<'_, TokenSequence>> {
-        self.inner.lock().map_err(|_| poisoned())
+        Python::attach(|py| self.inner.lock_py_attached(py)).map_err(|_| poisoned())
     }
 }
 
@@ -60,12 +63,14 @@ impl PyTokenSequence {
     fn append_token_ids(&self, py: Python<'_>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let tokens = extract_one_or_many(token_ids)?;
         let tokens = tokens.as_slice();
+        let mut seq = self.lock()?;
+        let seq = &mut *seq;
         if tokens.len() >= DETACH_MIN_TOKENS {
-            // Lock only once detached, so a thread waiting for the lock never holds the GIL.
-            py.detach(|| self.lock().map(|mut seq| seq.append_token_ids(tokens)))
+            py.detach(|| seq.append_token_ids(tokens));
         } else {
-            self.lock().map(|mut seq| seq.append_token_ids(tokens))
+            seq.append_token_ids(tokens);
         }
+        Ok(())
     }
 
     #[getter]
