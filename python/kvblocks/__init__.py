@@ -16,6 +16,16 @@ from kvblocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvblocks.stats import PrefixCacheStats
 from kvblocks.step import ScheduledStep, StepBuffers
 
+
+def __getattr__(name: str) -> object:
+    # The engine needs torch (the kvblocks[torch] extra); import it only when asked for.
+    if name in ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput"):
+        from kvblocks import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'kvblocks' has no attribute {name!r}")
+
+
 __all__ = [
     "HASH_ALGORITHMS",
     "AllBlocksCleared",

@@ -185,6 +185,7 @@ class BlockManager:
         /,
         *,
         num_new_computed_tokens: _IntArray | None = None,
+        prefix_lookup: Iterable[bool | int] | npt.NDArray[np.bool_ | np.integer] | None = None,
         num_lookahead_tokens: int | None = None,
         new_token_ids: _TokenIds | None = None,
         new_token_offsets: _IntArray | None = None,

@@ -1,7 +1,8 @@
 """The ``kvblocks`` command line.
 
-``kvblocks bench``  times block hashing in Rust against the pure-Python twin on a synthetic
-                    workload and prints the speed-ups (the full suite is ``benches/``).
+``kvblocks bench``  generates on the embedded tiny model with the Rust and the Python block
+                    manager and shows where the time goes (bookkeeping vs model).
+``kvblocks bench-hashing``  times block hashing, Rust against the pure-Python twin.
 ``kvblocks hash``   prints the chained block hashes of a JSON list of token ids.
 """
 
@@ -107,6 +108,98 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bar(label: str) -> Callable[[int, int], None]:
+    def show(done: int, total: int) -> None:
+        filled = 30 * done // max(total, 1)
+        print(
+            f"\r{label:<8} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
+
+
+def bench_engine(args: argparse.Namespace) -> int:
+    try:
+        from kvblocks.engine import LLM, SamplingParams
+    except ModuleNotFoundError as e:  # torch is an optional extra
+        print(f"kvblocks bench needs torch: pip install 'kvblocks[torch]' ({e})", file=sys.stderr)
+        return 2
+    from kvblocks.model import LlamaConfig
+
+    vocab = LlamaConfig().vocab_size  # the embedded model's vocabulary
+    prefix = random_prompt(args.prefix_len, seed=1, vocab_size=vocab)
+    prompts = [
+        prefix + random_prompt(args.suffix_len, seed=100 + i, vocab_size=vocab)
+        for i in range(args.num_requests)
+    ]
+    params = SamplingParams(max_tokens=args.output_len)
+    backends = ["rust", "python"] if args.backend == "both" else [args.backend]
+    rows = []
+    for backend in backends:
+        llm = LLM(
+            backend=backend,
+            block_size=args.block_size,
+            hash_algo=args.hash_algo,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=4096,
+        )
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, progress=_bar(backend))
+        wall = time.perf_counter() - start
+        print(file=sys.stderr)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rows.append((backend, wall, tokens, llm.stats))
+    print(
+        f"\nkvblocks {kvblocks.__version__}: {args.num_requests} requests, {args.prefix_len}-token "
+        f"shared prefix + {args.suffix_len} own tokens, {args.output_len} output tokens, "
+        f"block size {args.block_size}, {args.hash_algo}, embedded tiny model on the CPU\n"
+    )
+    header = (
+        f"{'backend':<8} {'requests/s':>10} {'out tok/s':>10} {'prefix hits':>11} "
+        f"{'bookkeeping':>11} {'model':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for backend, wall, tokens, stats in rows:
+        print(
+            f"{backend:<8} {args.num_requests / wall:>10.1f} {tokens / wall:>10.1f} "
+            f"{stats.prefix_hit_rate:>10.1%} {stats.bookkeeping_share:>11.1%} "
+            f"{1 - stats.bookkeeping_share:>7.1%}"
+        )
+    if len(rows) == 2:
+        speedup = rows[1][3].bookkeeping_s / rows[0][3].bookkeeping_s
+        print(
+            f"\nRust speed-up on bookkeeping (hashing, block management, scheduling): "
+            f"{speedup:.1f}x"
+        )
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _plot(rows: list[Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r[0] for r in rows]
+    book = [r[3].bookkeeping_s for r in rows]
+    model = [r[3].model_s for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, model, label="model (forward + sampling)", color="#8fb3d9")
+    ax.bar(names, book, bottom=model, label="bookkeeping (kvblocks)", color="#d95f5f")
+    ax.set_ylabel("seconds")
+    ax.set_title("kvblocks bench: where the time goes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
 def hash_command(args: argparse.Namespace) -> int:
     source = sys.stdin if args.file == "-" else open(args.file)  # noqa: SIM115
     with source:
@@ -129,7 +222,21 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"kvblocks {kvblocks.__version__}")
     sub = top.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("bench", help="time block hashing, Rust vs the pure-Python twin")
+    e = sub.add_parser(
+        "bench", help="generate on the embedded tiny model with both backends; time breakdown"
+    )
+    e.add_argument("--num-requests", type=int, default=32)
+    e.add_argument("--prefix-len", type=int, default=1024, help="shared prompt prefix (tokens)")
+    e.add_argument("--suffix-len", type=int, default=64, help="each request's own prompt tokens")
+    e.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--hash-algo", choices=kvblocks.HASH_ALGORITHMS, default="sha256_cbor")
+    e.add_argument("--backend", choices=["both", "rust", "python"], default="both")
+    e.add_argument("--max-num-seqs", type=int, default=32)
+    e.add_argument("--plot", metavar="FILE.png", help="bar chart of the time breakdown")
+    e.set_defaults(func=bench_engine)
+
+    b = sub.add_parser("bench-hashing", help="time block hashing, Rust vs the pure-Python twin")
     b.add_argument(
         "--tokens",
         type=_int_list,

@@ -717,11 +717,16 @@ class BlockManager:
         tokens: list[int],
         offsets: list[int] | None,
         lookahead: int,
+        lookup: list[int] | None = None,
     ) -> tuple[list[int], int, int]:
         """The checks of the native ``plan_step``, in the same order; returns the slots, the
         widest block table after the step and the most tokens it can schedule."""
         n, b = len(handles), self.block_size
-        for values, what in ((new, "num_new_tokens"), (hits, "num_new_computed_tokens")):
+        for values, what in (
+            (new, "num_new_tokens"),
+            (hits, "num_new_computed_tokens"),
+            (lookup, "prefix_lookup"),
+        ):
             if values is not None and len(values) != n:
                 raise ValueError(f"{what} has {len(values)} entries for {n} requests")
         if offsets is None:
@@ -757,13 +762,19 @@ class BlockManager:
                 raise ValueError("num_new_computed_tokens must be a multiple of block_size")
             if hit and (request.running or request.blocks):
                 raise ValueError("prefix hits can only be added at a request's first allocation")
+            looks_up = lookup is not None and lookup[i] != 0
+            if looks_up and (hit or request.running or request.blocks):
+                raise ValueError("prefix_lookup is for admissions without num_new_computed_tokens")
+            if looks_up:
+                count = min(count, num_tokens - request.num_computed_tokens)
             local = request.num_computed_tokens + hit
             if local + count > num_tokens:
                 raise ValueError(
                     f"cannot schedule {count} new tokens after {local} computed ones: the "
                     f"request has {num_tokens} tokens (append them first; drafts are lookahead)"
                 )
-            need = min(min(local, self.max_model_len) + count + lookahead, self.max_model_len)
+            reach = num_tokens if looks_up else min(local, self.max_model_len) + count
+            need = min(reach + lookahead, self.max_model_len)
             max_blocks = max(max_blocks, -(-need // b), len(request.blocks) + hit // b)
             max_tokens += count
         return slots, max_blocks, max_tokens
@@ -775,6 +786,7 @@ class BlockManager:
         /,
         *,
         num_new_computed_tokens: Any = None,
+        prefix_lookup: Any = None,
         num_lookahead_tokens: int | None = None,
         new_token_ids: Any = None,
         new_token_offsets: Any = None,
@@ -795,12 +807,18 @@ class BlockManager:
             if num_lookahead_tokens is None
             else size_arg(num_lookahead_tokens, "num_lookahead_tokens", 0)
         )
+        lookup = None
+        if prefix_lookup is not None:
+            mask = np.asarray(prefix_lookup)
+            lookup = _i64s(
+                mask.astype(np.int64) if mask.dtype.kind == "b" else mask, "prefix_lookup"
+            )
         tokens = [] if new_token_ids is None else token_ids(new_token_ids)
         offsets = (
             None if new_token_offsets is None else _i64s(new_token_offsets, "new_token_offsets")
         )
         slots, max_blocks, max_tokens = self._plan_step(
-            handle_list, new, hits, tokens, offsets, lookahead
+            handle_list, new, hits, tokens, offsets, lookahead, lookup
         )
         n, b = len(slots), self.block_size
         buffers = out if out is not None else StepBuffers.allocate(n, max_tokens, max_blocks)
@@ -826,15 +844,19 @@ class BlockManager:
         starts[0] = 0
         for i, ref in enumerate(refs):
             hit = hits[i] if hits is not None else 0
+            count = new[i]
             blocks_hit: list[int] = []
-            if hit:
+            if lookup is not None and lookup[i]:
+                blocks_hit, hit = self.get_computed_blocks(ref)
+                count = min(count, self.num_tokens(ref) - self.num_computed_tokens(ref) - hit)
+            elif hit:
                 blocks_hit = self.get_computed_blocks(ref)[0]
                 if len(blocks_hit) < hit // b:
                     break
                 blocks_hit = blocks_hit[: hit // b]
             allocated = self.allocate_slots(
                 ref,
-                new[i],
+                count,
                 num_new_computed_tokens=hit,
                 new_computed_blocks=blocks_hit,
                 num_lookahead_tokens=lookahead,
@@ -845,7 +867,7 @@ class BlockManager:
             table[i, :] = 0
             table[i, : len(blocks)] = blocks
             end = self.num_computed_tokens(ref)
-            for position in range(end - new[i], end):
+            for position in range(end - count, end):
                 slot_mapping[cursor] = blocks[position // b] * b + position % b
                 cursor += 1
             seq_lens[i] = end

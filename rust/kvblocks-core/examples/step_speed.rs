@@ -40,6 +40,7 @@ fn main() -> Result<(), kvblocks_core::CoreError> {
             handles: &handles,
             num_new_tokens: &ones,
             num_new_computed_tokens: None,
+            prefix_lookup: None,
             num_lookahead_tokens: 0,
             new_token_ids: &tokens,
             new_token_offsets: Some(&offsets),

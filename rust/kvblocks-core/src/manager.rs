@@ -49,6 +49,10 @@ pub struct StepInput<'a> {
     pub num_new_tokens: &'a [i64],
     /// Prefix-cache hit tokens to take at admission (a multiple of the block size), or none.
     pub num_new_computed_tokens: Option<&'a [i64]>,
+    /// Nonzero for admissions whose prefix lookup happens at their turn in the step (so they
+    /// also hit blocks that earlier requests of the same step just cached); their
+    /// `num_new_tokens` is then an upper bound, capped to the tokens the hit leaves to compute.
+    pub prefix_lookup: Option<&'a [i64]>,
     pub num_lookahead_tokens: usize,
     /// Accepted tokens to append first: request `i` gets
     /// `new_token_ids[new_token_offsets[i]..new_token_offsets[i + 1]]`.
@@ -550,6 +554,9 @@ impl BlockManager {
         if let Some(hits) = input.num_new_computed_tokens {
             same_len(hits.len(), "num_new_computed_tokens")?;
         }
+        if let Some(lookup) = input.prefix_lookup {
+            same_len(lookup.len(), "prefix_lookup")?;
+        }
         match input.new_token_offsets {
             None if !input.new_token_ids.is_empty() => {
                 return Err(invalid("new_token_ids needs new_token_offsets"));
@@ -608,6 +615,14 @@ impl BlockManager {
                     "prefix hits can only be added at a request's first allocation",
                 ));
             }
+            let lookup = input.prefix_lookup.and_then(|l| l.get(i)).is_some_and(|&l| l != 0);
+            if lookup && (hit_tokens > 0 || request.running || !request.blocks.is_empty()) {
+                return Err(invalid(
+                    "prefix_lookup is for admissions without num_new_computed_tokens",
+                ));
+            }
+            // With a lookup, `new` is a bound: the hit (unknown yet) only lowers it.
+            let new = if lookup { new.min(num_tokens - request.num_computed_tokens) } else { new };
             let local = request.num_computed_tokens + hit_tokens;
             if local.saturating_add(new) > num_tokens {
                 return Err(invalid(format!(
@@ -615,11 +630,9 @@ impl BlockManager {
                      has {num_tokens} tokens (append them first; drafts are lookahead)"
                 )));
             }
-            let need = local
-                .min(self.max_model_len)
-                .saturating_add(new)
-                .saturating_add(input.num_lookahead_tokens)
-                .min(self.max_model_len);
+            // A lookup's hit plus its new tokens can reach the whole request.
+            let reach = if lookup { num_tokens } else { local.min(self.max_model_len) + new };
+            let need = reach.saturating_add(input.num_lookahead_tokens).min(self.max_model_len);
             let blocks_after = need.div_ceil(b).max(request.blocks.len() + hit_tokens / b);
             plan.max_blocks = plan.max_blocks.max(blocks_after);
             plan.max_tokens += new;
@@ -682,11 +695,16 @@ impl BlockManager {
             *first = 0;
         }
         for (i, &slot) in slots.iter().enumerate() {
-            let new = input.num_new_tokens.get(i).copied().unwrap_or(0) as usize;
-            let hit_tokens =
+            let mut new = input.num_new_tokens.get(i).copied().unwrap_or(0) as usize;
+            let mut hit_tokens =
                 input.num_new_computed_tokens.and_then(|h| h.get(i)).copied().unwrap_or(0) as usize;
             let mut hits = Vec::new();
-            if hit_tokens > 0 {
+            if input.prefix_lookup.and_then(|l| l.get(i)).is_some_and(|&l| l != 0) {
+                let Some(request) = self.requests.get(slot) else { break };
+                hits = self.computed_blocks(request);
+                hit_tokens = hits.len() * b;
+                new = new.min(request.seq.num_tokens() - request.num_computed_tokens - hit_tokens);
+            } else if hit_tokens > 0 {
                 let Some(request) = self.requests.get(slot) else { break };
                 hits = self.computed_blocks(request);
                 if hits.len() < hit_tokens / b {

@@ -354,8 +354,8 @@ impl PyBlockManager {
 
     /// One scheduler step in one call; see the README ("Batched steps").
     #[pyo3(signature = (
-        handles, num_new_tokens, /, *, num_new_computed_tokens = None, num_lookahead_tokens = None,
-        new_token_ids = None, new_token_offsets = None, out = None,
+        handles, num_new_tokens, /, *, num_new_computed_tokens = None, prefix_lookup = None,
+        num_lookahead_tokens = None, new_token_ids = None, new_token_offsets = None, out = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn schedule_step<'py>(
@@ -364,6 +364,7 @@ impl PyBlockManager {
         handles: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_new_computed_tokens: Option<&Bound<'py, PyAny>>,
+        prefix_lookup: Option<&Bound<'py, PyAny>>,
         num_lookahead_tokens: Option<&Bound<'py, PyAny>>,
         new_token_ids: Option<&Bound<'py, PyAny>>,
         new_token_offsets: Option<&Bound<'py, PyAny>>,
@@ -375,6 +376,19 @@ impl PyBlockManager {
         let hits = present(num_new_computed_tokens)
             .map(|h| extract_i64s(&h, "num_new_computed_tokens"))
             .transpose()?;
+        // A mask: bools (or 0/1 ints), as numpy reads them.
+        let lookup = match present(prefix_lookup) {
+            Some(mask) => {
+                let mask = py.import("numpy")?.call_method1("asarray", (mask,))?;
+                let mask =
+                    match mask.getattr("dtype")?.getattr("kind")?.extract::<String>()?.as_str() {
+                        "b" => mask.call_method1("astype", ("int64",))?,
+                        _ => mask,
+                    };
+                Some(extract_i64s(&mask, "prefix_lookup")?.as_slice().to_vec())
+            }
+            None => None,
+        };
         let lookahead = match present(num_lookahead_tokens) {
             Some(l) => size_arg(&l, "num_lookahead_tokens", 0)?,
             None => 0,
@@ -387,6 +401,7 @@ impl PyBlockManager {
             handles: handles.as_slice(),
             num_new_tokens: new_counts.as_slice(),
             num_new_computed_tokens: hits.as_ref().map(|h| h.as_slice()),
+            prefix_lookup: lookup.as_deref(),
             num_lookahead_tokens: lookahead,
             new_token_ids: tokens.as_ref().map_or(&[], |t| t.as_slice()),
             new_token_offsets: offsets.as_ref().map(|o| o.as_slice()),

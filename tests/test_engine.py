@@ -1,0 +1,114 @@
+"""The scheduler and engine end to end on the embedded tiny model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the engine needs the kvblocks[torch] extra")
+
+from kvblocks.cli import main  # noqa: E402
+from kvblocks.engine import LLM, SamplingParams  # noqa: E402
+from kvblocks.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+MODEL = LlamaForCausalLM.random(
+    LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48), seed=2
+)
+rng = np.random.default_rng(0)
+SHARED = rng.integers(0, 101, size=40).tolist()
+PROMPTS = [SHARED + rng.integers(0, 101, size=k).tolist() for k in (3, 9, 16, 1, 30)]
+
+
+def tokens(outputs: list[Any]) -> list[list[list[int]]]:
+    return [[o.token_ids for o in out.outputs] for out in outputs]
+
+
+def run(**kwargs: Any) -> tuple[LLM, list[Any]]:
+    params = kwargs.pop("params", SamplingParams(max_tokens=8))
+    llm = LLM(MODEL, block_size=4, **kwargs)
+    return llm, llm.generate(PROMPTS, params)
+
+
+def test_prefix_caching_changes_nothing_but_the_work() -> None:
+    on, out_on = run()
+    off, out_off = run(enable_prefix_caching=False)
+    assert tokens(out_on) == tokens(out_off)
+    assert on.stats.prefix_hits >= 4 * 40 - 4 * 4  # later prompts reuse the shared prefix
+    assert off.stats.prefix_hits == 0
+    assert [o.num_cached_tokens for o in out_on][1:] == [40] * 4
+    assert all(o.outputs[0].finish_reason == "length" for o in out_on)
+
+
+def test_preemption_gives_the_same_outputs() -> None:
+    small, out_small = run(num_blocks=24, max_num_batched_tokens=64)
+    _, out_large = run(num_blocks=512)
+    assert small.stats.num_preemptions > 0
+    assert tokens(out_small) == tokens(out_large)
+
+
+def test_parallel_sampling() -> None:
+    _, greedy = run(params=SamplingParams(max_tokens=6, n=3))
+    for out in greedy:
+        assert len(out.outputs) == 3
+        assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
+    sampled = SamplingParams(max_tokens=6, n=3, temperature=1.0, top_p=0.9, seed=11)
+    _, together = run(params=sampled)
+    for i in range(3):
+        alone = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=11 + i)
+        _, separate = run(params=alone)
+        assert [o.outputs[i].token_ids for o in together] == [
+            o.outputs[0].token_ids for o in separate
+        ]
+    assert len({tuple(o.token_ids) for o in together[0].outputs}) > 1
+
+
+def test_backends_agree_on_outputs_hits_and_blocks() -> None:
+    rust, out_rust = run(backend="rust", num_blocks=40, max_num_batched_tokens=48)
+    python, out_python = run(backend="python", num_blocks=40, max_num_batched_tokens=48)
+    assert tokens(out_rust) == tokens(out_python)
+    assert [o.num_cached_tokens for o in out_rust] == [o.num_cached_tokens for o in out_python]
+    assert rust.stats.prefix_hits == python.stats.prefix_hits
+    assert rust.stats.num_preemptions == python.stats.num_preemptions
+    assert rust.manager.debug_state() == python.manager.debug_state()
+
+
+def test_eos_and_validation() -> None:
+    llm = LLM(MODEL, block_size=4)
+    first = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5))[0].outputs[0].token_ids
+    stop = next((k for k, t in enumerate(first) if k and t not in first[:k]), 0)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, eos_token_id=first[stop]))
+    assert out[0].outputs[0].token_ids == first[: stop + 1]
+    assert out[0].outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        LLM(MODEL, backend="java")
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2, 101]])
+
+
+def test_cli_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    code = main(
+        [
+            "bench",
+            "--num-requests",
+            "3",
+            "--prefix-len",
+            "32",
+            "--suffix-len",
+            "4",
+            "--output-len",
+            "3",
+            "--block-size",
+            "8",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Rust speed-up on bookkeeping" in out
+    assert out.count("%") >= 6
