@@ -47,6 +47,18 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         "|---|---|---|---:|",
     ]
     lines += [f"| {c} | {i} | {b} | {r:,.1f}x |" for c, i, b, r in rows]
+    shares = [
+        (b.extra_info["case"], b.extra_info["impl"], b.extra_info["bookkeeping_share"])
+        for b in session.benchmarks
+        if "bookkeeping_share" in b.extra_info
+    ]
+    if shares:
+        lines += [
+            "",
+            "| workload | implementation | bookkeeping share of engine time |",
+            "|---|---|---:|",
+        ]
+        lines += [f"| {c} | {i} | {s:.1%} |" for c, i, s in shares]
     terminalreporter.write_sep("=", "kvblocks speed-up over the pure-Python twin (same run)")
     for line in lines:
         terminalreporter.write_line(line)

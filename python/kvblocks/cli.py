@@ -189,12 +189,12 @@ def _plot(rows: list[Any], path: str) -> None:
     names = [r[0] for r in rows]
     book = [r[3].bookkeeping_s for r in rows]
     model = [r[3].model_s for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar(names, model, label="model (forward + sampling)", color="#8fb3d9")
     ax.bar(names, book, bottom=model, label="bookkeeping (kvblocks)", color="#d95f5f")
     ax.set_ylabel("seconds")
     ax.set_title("kvblocks bench: where the time goes")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")

@@ -4,6 +4,7 @@ recompute (newest running request first, as vLLM does), one batched manager call
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,15 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` without building the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def num_tokens(self) -> int:
@@ -129,13 +139,19 @@ class Scheduler:
         steps: list[ScheduledStep] = []
         scheduled: list[tuple[Sequence, int, int]] = []
         while plan:
-            lists = [[pending[id(seq)]] if id(seq) in pending else [] for seq, _, _ in plan]
+            # Plain lists: the glue reads them directly, cheaper than numpy for small batches.
+            tokens, offsets = [], [0]
+            for seq, _, _ in plan:
+                if id(seq) in pending:
+                    tokens.append(pending[id(seq)])
+                offsets.append(len(tokens))
+            lookup = [hits < 0 for _, _, hits in plan]
             step = self.manager.schedule_step(
                 [seq.handle for seq, _, _ in plan],
                 [new for _, new, _ in plan],
-                prefix_lookup=[hits < 0 for _, _, hits in plan],
-                new_token_ids=[t for tokens in lists for t in tokens],
-                new_token_offsets=np.cumsum([0] + [len(t) for t in lists]),
+                prefix_lookup=lookup if any(lookup) else None,
+                new_token_ids=tokens if tokens else None,
+                new_token_offsets=offsets if tokens else None,
             )
             for seq, _, _ in plan:
                 seq.pending_token = None
@@ -143,7 +159,8 @@ class Scheduler:
             if step.num_scheduled:
                 steps.append(step)
                 # What each scheduled sequence got: its new tokens, and its hit at admission.
-                counts = np.diff(step.query_start_loc).tolist()
+                starts = step.query_start_loc.tolist()
+                counts = [b - a for a, b in itertools.pairwise(starts)]
                 for (seq, _, hits), new, total in zip(
                     plan, counts, step.seq_lens.tolist(), strict=False
                 ):
@@ -168,7 +185,7 @@ class Scheduler:
         ids = [
             t
             for seq, new, _ in scheduled
-            for t in seq.tokens[seq.num_computed_tokens - new : seq.num_computed_tokens]
+            for t in seq.token_slice(seq.num_computed_tokens - new, seq.num_computed_tokens)
         ]
         return SchedulerOutput(
             step=_merge(steps),

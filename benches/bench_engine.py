@@ -1,0 +1,52 @@
+"""The seed's measurement (vLLM PR #4696): generate repeatedly from one long prompt with prefix
+caching on, so every prefix block is a hit, and report the share of engine time spent in
+bookkeeping (hashing, block management and scheduling) with the Python twin and with the Rust
+core, in the same run, plus the end-to-end speed-up.
+
+    pytest benches/bench_engine.py -s --benchmark-columns=median,rounds [--ratios-md FILE]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the engine needs the kvblocks[torch] extra")
+
+from kvblocks.engine import LLM, SamplingParams  # noqa: E402
+from kvblocks.model import LlamaConfig  # noqa: E402
+from kvblocks.workloads import random_prompt  # noqa: E402
+
+PARAMS = SamplingParams(max_tokens=16)
+SHARES: dict[tuple[int, str], float] = {}
+
+
+@pytest.mark.parametrize("backend", ["rust", "python"])
+@pytest.mark.parametrize("prompt_len", [8192, 32768])
+def test_generate_with_every_prefix_block_cached(
+    benchmark: Any, prompt_len: int, backend: str
+) -> None:
+    llm = LLM(
+        backend=backend,
+        num_blocks=prompt_len // 16 + 64,
+        max_num_batched_tokens=prompt_len + 16,
+    )
+    prompt = random_prompt(prompt_len, seed=7, vocab_size=LlamaConfig().vocab_size)
+    first = llm.generate([prompt], PARAMS)  # computes and caches the prefix
+    book, model = llm.stats.bookkeeping_s, llm.stats.model_s
+    case = f"generate 16 tokens from a cached {prompt_len // 1024}k-token prompt"
+    impl = "rust" if backend == "rust" else "twin"
+    benchmark.group = case
+    benchmark.extra_info.update(
+        case=case, impl=impl, baselines=[[case, "twin"]] if impl == "rust" else []
+    )
+    result = benchmark.pedantic(lambda: llm.generate([prompt], PARAMS), rounds=5, warmup_rounds=1)
+    assert result[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert result[0].num_cached_tokens == prompt_len - 16  # every block but the capped last one
+    share = (llm.stats.bookkeeping_s - book) / (
+        llm.stats.bookkeeping_s - book + llm.stats.model_s - model
+    )
+    SHARES[(prompt_len, impl)] = share
+    benchmark.extra_info["bookkeeping_share"] = share
+    print(f"\n{case}, {impl}: bookkeeping {share:.1%} of engine time")
