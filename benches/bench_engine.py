@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="the engine needs the kvblocks[torch
 
 from kvblocks.engine import LLM, SamplingParams  # noqa: E402
 from kvblocks.model import LlamaConfig  # noqa: E402
-from kvblocks.workloads import random_prompt  # noqa: E402
+from kvblocks.workloads import random_prompt, shared_prefix_prompts  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=16)
 SHARES: dict[tuple[int, str], float] = {}
@@ -50,3 +50,28 @@ def test_generate_with_every_prefix_block_cached(
     SHARES[(prompt_len, impl)] = share
     benchmark.extra_info["bookkeeping_share"] = share
     print(f"\n{case}, {impl}: bookkeeping {share:.1%} of engine time")
+
+
+@pytest.mark.parametrize("backend", ["rust", "python"])
+def test_shared_prefix_workload(benchmark: Any, backend: str) -> None:
+    """The default ``kvblocks bench`` workload: 32 requests, a 1,024-token shared prefix and 64
+    tokens of their own, 32 output tokens."""
+    prompts = shared_prefix_prompts(32, 1024, 64, vocab_size=LlamaConfig().vocab_size)
+    params = SamplingParams(max_tokens=32)
+    case = "kvblocks bench workload: 32 requests, 1k shared prefix, 32 output tokens"
+    impl = "rust" if backend == "rust" else "twin"
+    benchmark.group = case
+    benchmark.extra_info.update(
+        case=case, impl=impl, baselines=[[case, "twin"]] if impl == "rust" else []
+    )
+    engines: list[LLM] = []
+
+    def run() -> None:
+        engines.append(LLM(backend=backend, max_num_seqs=32, max_num_batched_tokens=4096))
+        engines[-1].generate(prompts, params)
+
+    benchmark.pedantic(run, rounds=2, warmup_rounds=0)
+    stats = engines[-1].stats
+    assert stats.prefix_hit_rate > 0.9
+    benchmark.extra_info["bookkeeping_share"] = stats.bookkeeping_share
+    print(f"\n{case}, {impl}: bookkeeping {stats.bookkeeping_share:.1%} of engine time")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvblocks
-from kvblocks.workloads import random_prompt
+from kvblocks.workloads import random_prompt, shared_prefix_prompts
 
 
 def _best_time(fn: Callable[[], object], repeat: int) -> float:
@@ -129,12 +129,9 @@ def bench_engine(args: argparse.Namespace) -> int:
         return 2
     from kvblocks.model import LlamaConfig
 
-    vocab = LlamaConfig().vocab_size  # the embedded model's vocabulary
-    prefix = random_prompt(args.prefix_len, seed=1, vocab_size=vocab)
-    prompts = [
-        prefix + random_prompt(args.suffix_len, seed=100 + i, vocab_size=vocab)
-        for i in range(args.num_requests)
-    ]
+    prompts = shared_prefix_prompts(
+        args.num_requests, args.prefix_len, args.suffix_len, vocab_size=LlamaConfig().vocab_size
+    )
     params = SamplingParams(max_tokens=args.output_len)
     backends = ["rust", "python"] if args.backend == "both" else [args.backend]
     rows = []
