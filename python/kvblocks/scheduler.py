@@ -34,10 +34,6 @@ class Sequence:
     num_preemptions: int = 0
     sample_index: int = 0
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` without building the whole sequence."""
         n = len(self.prompt_token_ids)
@@ -56,8 +52,6 @@ class Sequence:
 class SchedulerOutput:
     step: ScheduledStep
     sequences: list[Sequence]
-    #: New tokens of each scheduled sequence.
-    num_new_tokens: list[int]
     #: The step's input token ids, sequence after sequence.
     input_ids: np.ndarray
 
@@ -190,7 +184,6 @@ class Scheduler:
         return SchedulerOutput(
             step=_merge(steps),
             sequences=[seq for seq, _, _ in scheduled],
-            num_new_tokens=[new for _, new, _ in scheduled],
             input_ids=np.array(ids, dtype=np.int64),
         )
 

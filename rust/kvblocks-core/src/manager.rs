@@ -384,6 +384,12 @@ impl BlockManager {
         num_lookahead_tokens: usize,
     ) -> CoreResult<Option<Vec<u32>>> {
         let slot = self.slot(request)?;
+        let request = self.requests.get(slot).ok_or_else(|| invalid("request slot is empty"))?;
+        if num_new_tokens == 0 && num_new_computed_tokens == 0 {
+            return Err(invalid("num_new_tokens and num_new_computed_tokens are both 0"));
+        }
+        // Caller-supplied hits are checked here; the batched step looks its hits up itself.
+        self.check_hits(request, new_computed_blocks, num_new_computed_tokens)?;
         self.allocate_in(
             slot,
             num_new_tokens,
@@ -393,6 +399,7 @@ impl BlockManager {
         )
     }
 
+    /// `allocate_slots` once the hits are known to be the request's cached prefix.
     fn allocate_in(
         &mut self,
         slot: usize,
@@ -406,7 +413,6 @@ impl BlockManager {
         if num_new_tokens == 0 && num_new_computed_tokens == 0 {
             return Err(invalid("num_new_tokens and num_new_computed_tokens are both 0"));
         }
-        self.check_hits(request, new_computed_blocks, num_new_computed_tokens)?;
         let local = request.num_computed_tokens + num_new_computed_tokens;
         let num_tokens = request.seq.num_tokens();
         if local.saturating_add(num_new_tokens) > num_tokens {
