@@ -74,13 +74,29 @@ def _all_in_range(values: list[int] | tuple[int, ...]) -> bool:
 
 def token_ids(obj: Any) -> list[int]:
     """Token ids as a list of ints in ``[0, 2**32)``; the same inputs and errors as native."""
+    return token_ids_from(obj, 0)
+
+
+def token_ids_from(obj: Any, start: int) -> list[int]:
+    """The token ids of ``obj`` from position ``start`` on. A list or tuple is read from
+    ``start`` only; ``start`` past the end is a ``ValueError``."""
+    if isinstance(obj, list | tuple):
+        if start > len(obj):
+            raise ValueError(f"start position {start} is past the end ({len(obj)} tokens)")
+        tail = obj[start:]
+        # Fast path in C loops; the element-wise loop below finds and reports the bad token.
+        if set(map(type, tail)) <= {int} and _all_in_range(tail):
+            return list(tail)
+        return [_token(start + i, v) for i, v in enumerate(tail)]
+    values = _other_token_ids(obj)
+    if start > len(values):
+        raise ValueError(f"start position {start} is past the end ({len(values)} tokens)")
+    return values[start:]
+
+
+def _other_token_ids(obj: Any) -> list[int]:
     if isinstance(obj, np.ndarray):
         return _from_ndarray(obj)
-    if isinstance(obj, list | tuple):
-        # Fast path in C loops; the element-wise loop below finds and reports the bad token.
-        if set(map(type, obj)) <= {int} and _all_in_range(obj):
-            return list(obj)
-        return [_token(i, v) for i, v in enumerate(obj)]
     if isinstance(obj, str | bytes | bytearray):
         raise TypeError(f"token ids must be a sequence of integers, got {type(obj).__name__}")
     try:

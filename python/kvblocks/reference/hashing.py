@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks.reference._args import int_arg, size_arg, str_arg
+from kvblocks.reference._args import int_arg, size_arg, str_arg, token_ids_from
 from kvblocks.reference._args import token_ids as as_token_ids
+
+_I64_MAX = 2**63 - 1
 
 HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "xxh3_128")
 DEFAULT_SEED = "vllm-none-hash"
@@ -280,26 +282,40 @@ class BlockHasher:
         token_ids: Any,
         /,
         *,
+        parent: bytes | None = None,
+        start_block: int | None = None,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Any = None,
     ) -> list[bytes]:
-        tokens = as_token_ids(token_ids)
-        chain = BlockChain(self, RequestKeys(cache_salt, lora, mm_features))
-        chain.extend(tokens)
-        return chain.hashes
+        if parent is not None and not isinstance(parent, bytes):
+            raise TypeError(f"parent must be bytes or None, got {type(parent).__name__}")
+        first = 0 if start_block is None else size_arg(start_block, "start_block", 0)
+        if first * self._block_size > _I64_MAX:
+            raise ValueError(f"start_block {first} is out of range")
+        tokens = token_ids_from(token_ids, first * self._block_size)
+        keys = RequestKeys(cache_salt, lora, mm_features)
+        hashes, _ = _hash_run(self, keys, tokens, first, parent, 0)
+        return hashes
 
     def hash_blocks_array(
         self,
         token_ids: Any,
         /,
         *,
+        parent: bytes | None = None,
+        start_block: int | None = None,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Any = None,
     ) -> npt.NDArray[np.uint8]:
         hashes = self.hash_blocks(
-            token_ids, cache_salt=cache_salt, lora=lora, mm_features=mm_features
+            token_ids,
+            parent=parent,
+            start_block=start_block,
+            cache_salt=cache_salt,
+            lora=lora,
+            mm_features=mm_features,
         )
         flat = np.frombuffer(b"".join(hashes), dtype=np.uint8)
         return flat.reshape(len(hashes), self.digest_size).copy()
@@ -326,13 +342,31 @@ class BlockChain:
 
     def extend(self, all_tokens: list[int]) -> None:
         """Hashes every block of ``all_tokens`` (the request's tokens so far) that became full."""
-        size = self.hasher.block_size
-        start = len(self.hashes) * size
-        while start + size <= len(all_tokens):
-            extra: ExtraKeys = None
-            if not self.keys.is_empty():
-                extra, self._mm_idx = self.keys.block_extra_keys(start, start + size, self._mm_idx)
-            parent = self.hashes[-1] if self.hashes else None
-            block = tuple(all_tokens[start : start + size])
-            self.hashes.append(self.hasher.hash_block_tokens(parent, block, extra))
-            start += size
+        parent = self.hashes[-1] if self.hashes else None
+        first = len(self.hashes)
+        tail = all_tokens[first * self.hasher.block_size :]
+        new, self._mm_idx = _hash_run(self.hasher, self.keys, tail, first, parent, self._mm_idx)
+        self.hashes.extend(new)
+
+
+def _hash_run(
+    hasher: BlockHasher,
+    keys: RequestKeys,
+    tokens: list[int],
+    first_block: int,
+    parent: bytes | None,
+    mm_idx: int,
+) -> tuple[list[bytes], int]:
+    """The hashes of the full blocks of ``tokens``, which start at block ``first_block`` of
+    the request, the first chained to ``parent``, and the multimodal index after them
+    (vLLM's ``mm_idx``)."""
+    size = hasher.block_size
+    offset = first_block * size
+    hashes: list[bytes] = []
+    for start in range(0, len(tokens) - size + 1, size):
+        extra: ExtraKeys = None
+        if not keys.is_empty():
+            extra, mm_idx = keys.block_extra_keys(offset + start, offset + start + size, mm_idx)
+        parent = hasher.hash_block_tokens(parent, tuple(tokens[start : start + size]), extra)
+        hashes.append(parent)
+    return hashes, mm_idx

@@ -62,7 +62,8 @@ impl TokenSequence {
                 self.straddle.extend_from_slice(self.output.get(..rest).unwrap_or_default());
                 &self.straddle
             };
-            let hash = self.chain.next(&self.hasher, self.block_hashes.last(), block, &self.keys);
+            let parent = self.block_hashes.last().map(BlockHash::as_bytes);
+            let hash = self.chain.next(&self.hasher, parent, block, &self.keys);
             self.block_hashes.push(hash);
         }
     }

@@ -3,9 +3,10 @@
 use crate::args::{size_arg, str_arg};
 use crate::errors::to_py;
 use crate::keys::{extract_extra_keys, request_keys};
-use crate::tokens::extract_token_ids;
+use crate::tokens::{extract_token_ids, extract_token_ids_from};
 use kvblocks_core::{resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo};
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use std::sync::Arc;
@@ -29,30 +30,57 @@ pub fn hash_list<'py>(py: Python<'py>, hashes: &[BlockHash]) -> PyResult<Bound<'
     PyList::new(py, hashes.iter().map(|h| hash_bytes(py, h)))
 }
 
+/// A parent hash argument: `bytes` or `None`.
+fn parent_arg<'py>(parent: Option<&Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    match parent.filter(|p| !p.is_none()) {
+        None => Ok(None),
+        Some(p) => p.cast::<PyBytes>().map(|b| Some(b.clone())).map_err(|_| {
+            PyTypeError::new_err(format!(
+                "parent must be bytes or None, got {}",
+                p.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            ))
+        }),
+    }
+}
+
 fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
     py.import("os")?.getattr("environ")?.call_method1("get", ("PYTHONHASHSEED",))?.extract()
 }
 
 impl PyBlockHasher {
-    /// The shared body of `hash_blocks` and `hash_blocks_array`.
+    /// The shared body of `hash_blocks` and `hash_blocks_array`: the full blocks of
+    /// `token_ids` from block `start_block` on, chained to `parent`.
+    #[allow(clippy::too_many_arguments)]
     fn compute(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
+        parent: Option<&Bound<'_, PyAny>>,
+        start_block: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora: Option<&Bound<'_, PyAny>>,
         mm_features: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<BlockHash>> {
-        let tokens = extract_token_ids(token_ids)?;
-        let keys = request_keys(cache_salt, lora, mm_features)?;
-        let tokens = tokens.as_slice();
+        let parent = parent_arg(parent)?;
+        let first_block = match start_block {
+            Some(block) => size_arg(block, "start_block", 0)?,
+            None => 0,
+        };
         let hasher = &self.inner;
+        let start = first_block.checked_mul(hasher.block_size()).ok_or_else(|| {
+            PyValueError::new_err(format!("start_block {first_block} is out of range"))
+        })?;
+        let (tokens, offset) = extract_token_ids_from(token_ids, start)?;
+        let keys = request_keys(cache_salt, lora, mm_features)?;
+        let tokens = tokens.as_slice().get(offset..).unwrap_or_default();
+        let parent = parent.as_ref().map(|p| p.as_bytes());
+        let hash = || hasher.hash_blocks_from(tokens, first_block, parent, &keys);
         Ok(if tokens.len() >= DETACH_MIN_TOKENS {
             // The slice may borrow a numpy array in place: like hashlib reading a buffer
             // without the GIL, a concurrent writer to that array is the caller's race.
-            py.detach(|| hasher.hash_blocks(tokens, &keys))
+            py.detach(hash)
         } else {
-            hasher.hash_blocks(tokens, &keys)
+            hash()
         })
     }
 }
@@ -120,31 +148,45 @@ impl PyBlockHasher {
         Ok(hash_bytes(py, &hash))
     }
 
-    #[pyo3(signature = (token_ids, /, *, cache_salt = None, lora = None, mm_features = None))]
+    #[pyo3(signature = (
+        token_ids, /, *, parent = None, start_block = None, cache_salt = None, lora = None,
+        mm_features = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn hash_blocks<'py>(
         &self,
         py: Python<'py>,
         token_ids: &Bound<'py, PyAny>,
+        parent: Option<&Bound<'py, PyAny>>,
+        start_block: Option<&Bound<'py, PyAny>>,
         cache_salt: Option<&Bound<'py, PyAny>>,
         lora: Option<&Bound<'py, PyAny>>,
         mm_features: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let hashes = self.compute(py, token_ids, cache_salt, lora, mm_features)?;
+        let hashes =
+            self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features)?;
         hash_list(py, &hashes)
     }
 
     /// Like `hash_blocks`, as one `(num_blocks, digest_size)` uint8 array: no Python object
     /// per block.
-    #[pyo3(signature = (token_ids, /, *, cache_salt = None, lora = None, mm_features = None))]
+    #[pyo3(signature = (
+        token_ids, /, *, parent = None, start_block = None, cache_salt = None, lora = None,
+        mm_features = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn hash_blocks_array<'py>(
         &self,
         py: Python<'py>,
         token_ids: &Bound<'py, PyAny>,
+        parent: Option<&Bound<'py, PyAny>>,
+        start_block: Option<&Bound<'py, PyAny>>,
         cache_salt: Option<&Bound<'py, PyAny>>,
         lora: Option<&Bound<'py, PyAny>>,
         mm_features: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<u8>>> {
-        let hashes = self.compute(py, token_ids, cache_salt, lora, mm_features)?;
+        let hashes =
+            self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features)?;
         let width = self.inner.algo().digest_size();
         let flat: Vec<u8> = hashes.iter().flat_map(|h| h.as_bytes().iter().copied()).collect();
         PyArray1::from_vec(py, flat).reshape([hashes.len(), width])

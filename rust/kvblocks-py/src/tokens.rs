@@ -62,13 +62,13 @@ type GetItem = unsafe extern "C" fn(
 /// The fast path for the common argument, a list or tuple of in-range `int`s: one pass of
 /// borrowed reads, no reference counting (twice as fast as pyo3's checked iterator). `None`
 /// sends any other content to the checked path, which reports the first bad element.
-fn exact_ints<T>(seq: &Bound<'_, T>, get_item: GetItem) -> Option<Vec<u32>> {
+fn exact_ints<T>(seq: &Bound<'_, T>, get_item: GetItem, start: usize) -> Option<Vec<u32>> {
     if cfg!(Py_GIL_DISABLED) {
         return None; // borrowed reads are not safe against other threads there
     }
     let len = seq.as_any().len().ok()?;
-    let mut out = Vec::with_capacity(len);
-    for index in 0..len {
+    let mut out = Vec::with_capacity(len.saturating_sub(start));
+    for index in start..len {
         // SAFETY: `seq` is a list or tuple matching `get_item` and `index < len`. The GIL is
         // held (free-threaded builds returned above) and this loop runs no Python code, so no
         // other thread can resize the sequence or free the borrowed item before it is read.
@@ -112,10 +112,11 @@ fn token_from_item(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
 fn from_iter<'py>(
     items: impl Iterator<Item = PyResult<Bound<'py, PyAny>>>,
     hint: usize,
+    start: usize,
 ) -> PyResult<TokenIds<'py>> {
     let mut out = Vec::with_capacity(hint);
     for (index, item) in items.enumerate() {
-        out.push(token_from_item(index, &item?)?);
+        out.push(token_from_item(start + index, &item?)?);
     }
     Ok(TokenIds::Owned(out))
 }
@@ -196,20 +197,61 @@ const COPIERS: [Copier; 8] = [
 
 /// Converts a token-id argument (see the module doc).
 pub fn extract_token_ids<'py>(obj: &Bound<'py, PyAny>) -> PyResult<TokenIds<'py>> {
-    if let Ok(array) = obj.cast::<PyUntypedArray>() {
-        return from_ndarray(array);
+    extract_token_ids_from(obj, 0).map(|(ids, _)| ids)
+}
+
+/// A list or tuple of `len` items read from `start` on: the borrowed fast path, else the
+/// checked path that reports the first bad element by its absolute index.
+fn from_sequence<'py, T>(
+    seq: &Bound<'py, T>,
+    get_item: GetItem,
+    len: usize,
+    items: impl Iterator<Item = Bound<'py, PyAny>>,
+    start: usize,
+) -> PyResult<TokenIds<'py>> {
+    if let Some(values) = exact_ints(seq, get_item, start) {
+        return Ok(TokenIds::Owned(values));
     }
-    if let Ok(list) = obj.cast::<PyList>() {
-        if let Some(values) = exact_ints(list, pyo3::ffi::PyList_GetItem) {
-            return Ok(TokenIds::Owned(values));
+    from_iter(items.skip(start).map(Ok), len - start, start)
+}
+
+/// The token ids of `obj` from position `start` on, as ids and the index in
+/// [`TokenIds::as_slice`] where position `start` lies. A list or tuple is read from `start`
+/// only, so continuing a long sequence converts just its new tokens; other inputs are
+/// converted (or borrowed) whole. `start` past the end is a `ValueError`.
+pub fn extract_token_ids_from<'py>(
+    obj: &Bound<'py, PyAny>,
+    start: usize,
+) -> PyResult<(TokenIds<'py>, usize)> {
+    let check_start = |len: usize| {
+        if start > len {
+            Err(PyValueError::new_err(format!(
+                "start position {start} is past the end ({len} tokens)"
+            )))
+        } else {
+            Ok(())
         }
-        return from_iter(list.iter().map(Ok), list.len());
+    };
+    if let Ok(list) = obj.cast::<PyList>() {
+        check_start(list.len())?;
+        let ids = from_sequence(list, pyo3::ffi::PyList_GetItem, list.len(), list.iter(), start)?;
+        return Ok((ids, 0));
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        if let Some(values) = exact_ints(tuple, pyo3::ffi::PyTuple_GetItem) {
-            return Ok(TokenIds::Owned(values));
-        }
-        return from_iter(tuple.iter().map(Ok), tuple.len());
+        check_start(tuple.len())?;
+        let get_item = pyo3::ffi::PyTuple_GetItem;
+        let ids = from_sequence(tuple, get_item, tuple.len(), tuple.iter(), start)?;
+        return Ok((ids, 0));
+    }
+    let ids = extract_other(obj)?;
+    check_start(ids.as_slice().len())?;
+    Ok((ids, start))
+}
+
+/// Every token-id argument but a list or tuple.
+fn extract_other<'py>(obj: &Bound<'py, PyAny>) -> PyResult<TokenIds<'py>> {
+    if let Ok(array) = obj.cast::<PyUntypedArray>() {
+        return from_ndarray(array);
     }
     if obj.is_instance_of::<PyString>()
         || obj.is_instance_of::<PyBytes>()
@@ -226,7 +268,7 @@ pub fn extract_token_ids<'py>(obj: &Bound<'py, PyAny>) -> PyResult<TokenIds<'py>
         return from_ndarray(array.cast::<PyUntypedArray>()?);
     }
     match obj.try_iter() {
-        Ok(iter) => from_iter(iter, obj.len().unwrap_or(0)),
+        Ok(iter) => from_iter(iter, obj.len().unwrap_or(0), 0),
         Err(_) => Err(PyTypeError::new_err(format!(
             "token ids must be a sequence of integers, got {}",
             obj.get_type().name()?

@@ -227,10 +227,26 @@ impl BlockHasher {
     /// The chained hash of every full block of `tokens`, with the extra keys vLLM would
     /// generate for a request with `keys`.
     pub fn hash_blocks(&self, tokens: &[u32], keys: &RequestKeys) -> Vec<BlockHash> {
-        let mut chain = HashChain::default();
-        let mut hashes = Vec::with_capacity(tokens.len() / self.block_size);
+        self.hash_blocks_from(tokens, 0, None, keys)
+    }
+
+    /// Continues a chain: the hashes of the full blocks of `tokens`, which start at block
+    /// `first_block` of the request (token `first_block * block_size`), the first of them
+    /// chained to `parent` (`None` or empty: NONE_HASH). Extra keys follow the absolute
+    /// positions, so the result equals the tail of [`BlockHasher::hash_blocks`] over the whole
+    /// sequence whenever `parent` is that sequence's hash of block `first_block - 1`.
+    pub fn hash_blocks_from(
+        &self,
+        tokens: &[u32],
+        first_block: usize,
+        parent: Option<&[u8]>,
+        keys: &RequestKeys,
+    ) -> Vec<BlockHash> {
+        let mut chain = HashChain { blocks_done: first_block, ..HashChain::default() };
+        let mut hashes: Vec<BlockHash> = Vec::with_capacity(tokens.len() / self.block_size);
         for block in tokens.chunks_exact(self.block_size) {
-            let hash = chain.next(self, hashes.last(), block, keys);
+            let parent = hashes.last().map(BlockHash::as_bytes).or(parent);
+            let hash = chain.next(self, parent, block, keys);
             hashes.push(hash);
         }
         hashes
@@ -251,11 +267,10 @@ impl HashChain {
     pub(crate) fn next(
         &mut self,
         hasher: &BlockHasher,
-        parent: Option<&BlockHash>,
+        parent: Option<&[u8]>,
         block: &[u32],
         keys: &RequestKeys,
     ) -> BlockHash {
-        let parent = parent.map(BlockHash::as_bytes);
         let hash = if keys.is_empty() {
             hasher.hash_block(parent, block, None, &mut self.scratch)
         } else {
@@ -331,6 +346,27 @@ mod tests {
         let h = hasher("sha256", 5);
         let h0 = h.hash_block(None, &[1, 2, 3, 300, 70000], None, &mut Vec::new());
         assert_eq!(hex(&h0), "060e374a2428d3ade297b9b4f3bf39df08580aa75cc8d93f5983e9f8b10b08a0");
+    }
+
+    #[test]
+    fn continued_chain_equals_the_tail_of_the_whole_chain() {
+        let mm = vec![
+            MmFeature { identifier: "img0".into(), offset: 3, length: 6 },
+            MmFeature { identifier: "img1".into(), offset: 13, length: 2 },
+        ];
+        let keys =
+            RequestKeys::new(Some(("L".into(), "/p".into())), Some("salt".into()), mm).unwrap();
+        let tokens: Vec<u32> = (0..23).collect();
+        for algo in HASH_ALGORITHMS {
+            let h = hasher(algo, 4);
+            let whole = h.hash_blocks(&tokens, &keys);
+            assert_eq!(whole.len(), 5);
+            for first in 0..=whole.len() {
+                let parent = first.checked_sub(1).and_then(|i| whole.get(i)).map(|p| p.as_bytes());
+                let tail = h.hash_blocks_from(&tokens[first * 4..], first, parent, &keys);
+                assert_eq!(tail, whole[first..], "{algo} from block {first}");
+            }
+        }
     }
 
     #[test]
