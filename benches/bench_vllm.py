@@ -1,0 +1,114 @@
+"""kvblocks inside the real vLLM 0.33: stock vLLM against vLLM with the kvblocks plugin, in
+the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
+
+- prompt hashing at request arrival: the request block hasher over 256 prompts of 2,000
+  tokens, as ``EngineCore`` calls it when it builds each ``Request``;
+- the shared-prefix workload (256 requests, 2,000-token prompts sharing 1,500 tokens, 32
+  output tokens, block size 16, 8,192 blocks): scheduler-side CPU time (request arrival +
+  ``schedule()`` + ``update_from_output()``) and the shares of it spent hashing at arrival and
+  inside the KV-cache manager. Both runs must produce identical scheduler outputs.
+
+    pytest benches/bench_vllm.py -s --benchmark-columns=median,rounds [--ratios-md FILE]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm (pip install 'kvblocks[vllm]')")
+
+import kvblocks.vllm
+from kvblocks.vllm.simulate import (
+    SchedulerSpec,
+    Workload,
+    block_hasher,
+    make_request,
+    timed_run,
+    tiny_model_dir,
+)
+
+IMPLS = ["vllm", "kvblocks"]
+SNAPSHOTS: dict[str, list[Any]] = {}
+HASHES: dict[tuple[str, str], list[list[bytes]]] = {}
+
+
+@pytest.fixture
+def installed(request: pytest.FixtureRequest) -> Iterator[str]:
+    impl = request.param
+    if impl == "kvblocks":
+        kvblocks.vllm.install("all")
+    else:
+        kvblocks.vllm.uninstall()
+    yield impl
+    kvblocks.vllm.uninstall()
+
+
+def _label(benchmark: Any, case: str, impl: str) -> None:
+    benchmark.group = case
+    benchmark.extra_info.update(
+        case=case, impl=impl, baselines=[[case, "vllm"]] if impl == "kvblocks" else []
+    )
+
+
+@pytest.mark.parametrize("installed", IMPLS, indirect=True)
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_prompt_hashing_at_arrival(benchmark: Any, installed: str, algo: str) -> None:
+    workload = Workload(num_requests=256, prompt_len=2000, shared_len=1500)
+    hasher: Callable[[Any], list[bytes]] = block_hasher(algo, 16)
+    requests = [make_request(f"r{i}", p, None) for i, p in enumerate(workload.prompts())]
+
+    def hash_all() -> list[list[bytes]]:
+        return [hasher(r) for r in requests]
+
+    case = f"hash 256 prompts of 2,000 tokens at arrival, {algo}"
+    _label(benchmark, case, installed)
+    hashes = benchmark.pedantic(hash_all, rounds=5, warmup_rounds=1)
+    assert all(len(h) == 125 for h in hashes)
+    HASHES[(algo, installed)] = hashes
+    if len(HASHES) % 2 == 0:  # both implementations ran: the same bytes
+        assert HASHES[(algo, "vllm")] == HASHES[(algo, "kvblocks")]
+
+
+WORKLOADS = {"shared prefix, 32 output tokens": Workload(output_len=32)}
+
+
+@pytest.mark.parametrize("installed", IMPLS, indirect=True)
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_scheduler_cpu_time(benchmark: Any, installed: str, name: str) -> None:
+    model_dir: Path = tiny_model_dir()
+    spec = SchedulerSpec(
+        block_size=16,
+        num_blocks=8192,
+        hash_algo="sha256",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+    )
+    runs: list[Any] = []
+
+    def run_once() -> None:
+        runs.append(timed_run(model_dir, spec, WORKLOADS[name]))
+
+    case = f"vLLM scheduler, 256 requests, {name}"
+    _label(benchmark, case, installed)
+    benchmark.pedantic(run_once, rounds=3, warmup_rounds=0)
+    # Compared: the scheduler-side CPU time each run measured, not building the scheduler.
+    runs.sort(key=lambda run: run[0].scheduler)
+    timings, snapshots = runs[len(runs) // 2]
+    benchmark.extra_info["seconds"] = timings.scheduler
+    assert all(s == snapshots for _, s in runs)
+    SNAPSHOTS.setdefault(name, snapshots)
+    assert snapshots == SNAPSHOTS[name], "kvblocks changed vLLM's scheduling decisions"
+    shares = {
+        "hashing at arrival": timings.hashing / timings.scheduler,
+        "KV-cache manager": timings.manager / timings.scheduler,
+    }
+    benchmark.extra_info["shares"] = shares
+    print(
+        f"\n{case}, {installed}: {timings.steps} steps; "
+        + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
+        + " of scheduler-side CPU time"
+    )

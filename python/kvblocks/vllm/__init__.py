@@ -1,0 +1,138 @@
+"""kvblocks inside vLLM 0.33: a vLLM general plugin.
+
+Installed with ``pip install "kvblocks[vllm]"``, vLLM loads it through the entry point
+``vllm.general_plugins`` (``kvblocks = "kvblocks.vllm:register"``) in every process it starts.
+It replaces vLLM's request block hasher by kvblocks' (byte-identical hashes, falling back to
+vLLM's own per request wherever kvblocks would not be exact).
+
+Control: the environment variable ``KVBLOCKS_VLLM`` = ``all`` (the default: every part that
+supports the configuration), ``hasher`` (only the block hasher) or ``off``; or, in a notebook
+or a test, :func:`install` / :func:`uninstall`. :func:`status` says what is active in this
+process and why anything fell back. Importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from kvblocks.vllm import _state
+
+__all__ = ["MODES", "SUPPORTED_VLLM", "Status", "install", "register", "status", "uninstall"]
+
+#: The values of ``KVBLOCKS_VLLM`` and of :func:`install`'s ``mode``.
+MODES = ("all", "hasher", "off")
+#: The vLLM releases this version of kvblocks reproduces: ``>= 0.33, < 0.34``.
+SUPPORTED_VLLM = ((0, 33), (0, 34))
+#: The environment variable read by :func:`register`.
+ENV_VAR = "KVBLOCKS_VLLM"
+
+
+@dataclass(frozen=True)
+class Status:
+    """What kvblocks changed in this process's vLLM."""
+
+    #: The mode installed (``"off"`` when nothing is).
+    mode: str
+    #: The installed vLLM version, or None when vLLM cannot be imported.
+    vllm_version: str | None
+    #: Active part -> what it runs on, e.g. ``{"hasher": "sha256_cbor"}``.
+    active: dict[str, str] = field(default_factory=dict)
+    #: ``"part: reason" -> count`` of fallbacks to vLLM's own code.
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} on {v}" for k, v in self.active.items()) or "nothing active"
+        text = f"kvblocks.vllm: mode={self.mode}, vllm {self.vllm_version}: {parts}"
+        for reason, count in self.fallbacks.items():
+            text += f"\n  fallback x{count}: {reason}"
+        return text
+
+
+def _vllm_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def _supported(version: str) -> bool:
+    import re
+
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return False
+    low, high = SUPPORTED_VLLM
+    return low <= (int(match[1]), int(match[2])) < high
+
+
+def status() -> Status:
+    """What is active in this process, and every reason a part fell back so far."""
+    return Status(
+        mode=_state.mode,
+        vllm_version=_vllm_version(),
+        active=dict(_state.active),
+        fallbacks={
+            f"{part}: {_state.REASONS.get(reason, reason)}": count
+            for (part, reason), count in _state.fallbacks.items()
+        },
+    )
+
+
+def install(mode: str = "all") -> Status:
+    """Installs kvblocks' parts into this process's vLLM (``mode`` as ``KVBLOCKS_VLLM``).
+
+    Replaces what a previous call installed. Raises ``ValueError`` for an unknown mode and
+    ``ImportError`` when vLLM is missing or outside :data:`SUPPORTED_VLLM`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    uninstall()
+    if mode == "off":
+        return status()
+    version = _vllm_version()
+    if version is None:
+        raise ImportError("kvblocks.vllm needs vllm (pip install 'kvblocks[vllm]')")
+    if not _supported(version):
+        low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
+        raise ImportError(f"kvblocks.vllm supports vllm >= {low}, < {high}; found {version}")
+    from vllm.v1.core import kv_cache_utils
+
+    from kvblocks.vllm.block_hasher import get_request_block_hasher
+
+    _state.patch(kv_cache_utils, "get_request_block_hasher", get_request_block_hasher)
+    # vllm.v1.engine.core imports the name itself; a later import of it picks up the patched
+    # attribute of kv_cache_utils, an earlier one is patched here.
+    engine_core = sys.modules.get("vllm.v1.engine.core")
+    if engine_core is not None:
+        _state.patch(engine_core, "get_request_block_hasher", get_request_block_hasher)
+    _state.mode = mode
+    _state.logger().info("kvblocks: installed into vLLM %s (mode=%s)", version, mode)
+    return status()
+
+
+def uninstall() -> Status:
+    """Puts vLLM's own objects back. Hashers already built stay as they are."""
+    _state.restore_all()
+    _state.mode = "off"
+    return status()
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: installs the mode ``KVBLOCKS_VLLM`` names.
+
+    Cheap, idempotent, and silent when the mode is ``off``. It never raises: vLLM calls it
+    during start-up, so any problem becomes one warning and vLLM runs unchanged.
+    """
+    mode = os.environ.get(ENV_VAR, "all").strip().lower() or "all"
+    if mode == _state.mode:
+        return
+    try:
+        install(mode)
+    except Exception as error:  # never break vLLM's start-up
+        _state.restore_all()
+        _state.mode = "off"
+        _state.logger().warning("kvblocks: left vLLM unchanged: %s", error)

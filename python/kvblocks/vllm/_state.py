@@ -1,0 +1,88 @@
+"""What kvblocks changed in this process's vLLM: the originals it replaced, which parts are
+active, and why any part fell back. Shared by the plugin and the parts; imports no vLLM."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any
+
+_lock = threading.Lock()
+#: (module name, attribute) -> the vLLM object kvblocks replaced there.
+_patched: dict[tuple[str, str], Any] = {}
+#: attribute name -> the original vLLM object (the same for every module that imports it).
+_originals: dict[str, Any] = {}
+mode = "off"
+#: part -> what it runs on ("sha256_cbor", ...), for the parts that are active.
+active: dict[str, str] = {}
+#: (part, reason) -> how often that part fell back to vLLM's code for that reason.
+fallbacks: Counter[tuple[str, str]] = Counter()
+_logged: set[tuple[str, str]] = set()
+
+#: Why a part (or one request) goes to vLLM's own code, by short name.
+REASONS = {
+    "lookahead": "num_hash_lookahead_tokens != 0 (EAGLE/MTP lookahead hashing)",
+    "hash_fn": "a prefix-caching hash function kvblocks does not implement",
+    "none_hash": "kvblocks' NONE_HASH differs from vllm's kv_cache_utils.NONE_HASH",
+    "prompt_embeds": "a request with prompt_embeds",
+    "mm_layout": "multimodal items that overlap or are not sorted by position",
+    "pickle_identity": "pickle-based hash with extra-key strings shared by identity",
+    "bad_field": "a request field kvblocks cannot read (type or range)",
+}
+
+
+def logger() -> logging.Logger:
+    """vLLM's logger (its format and handlers), under the name ``vllm.kvblocks``."""
+    try:
+        from vllm.logger import init_logger
+
+        vllm_logger: logging.Logger = init_logger("vllm.kvblocks")
+        return vllm_logger
+    except Exception:  # vllm missing or broken: plain logging
+        return logging.getLogger("vllm.kvblocks")
+
+
+def original(name: str) -> Any:
+    """The vLLM object that ``name`` referred to before kvblocks replaced it."""
+    return _originals[name]
+
+
+def patch(module: Any, name: str, replacement: Any) -> None:
+    """Sets ``module.name`` to ``replacement``, remembering vLLM's own object."""
+    with _lock:
+        key = (module.__name__, name)
+        current = getattr(module, name)
+        if key not in _patched:
+            _patched[key] = current
+        _originals.setdefault(name, _patched[key])
+        setattr(module, name, replacement)
+
+
+def restore_all() -> None:
+    """Puts back every object kvblocks replaced and forgets what was active."""
+    import sys
+
+    with _lock:
+        for (module_name, name), value in _patched.items():
+            module = sys.modules.get(module_name)
+            if module is not None:
+                setattr(module, name, value)
+        _patched.clear()
+        active.clear()
+
+
+def activate(part: str, detail: str) -> None:
+    if active.get(part) != detail:
+        active[part] = detail
+        logger().info("kvblocks: %s runs on kvblocks (%s)", part, detail)
+
+
+def fall_back(part: str, reason: str) -> None:
+    """Counts a fallback to vLLM's own code; the first one of each kind is logged."""
+    fallbacks[(part, reason)] += 1
+    if (part, reason) not in _logged:
+        _logged.add((part, reason))
+        logger().info(
+            "kvblocks: %s falls back to vLLM's own code: %s", part, REASONS.get(reason, reason)
+        )

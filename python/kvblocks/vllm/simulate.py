@@ -1,0 +1,354 @@
+"""vLLM 0.33's own V1 scheduler on the CPU, driven by a fake model: what the vLLM test tier,
+``benches/bench_vllm.py`` and ``kvblocks bench --engine vllm`` run.
+
+No network and no weights: a tiny Llama ``config.json`` written to a directory, a
+``KVCacheConfig`` with one full-attention group, and fake model outputs (one sampled token,
+a fixed function of the request and position, for each request whose prefill is done). The
+scheduler, its KV-cache manager and the request block hasher are vLLM's (or kvblocks', where
+the plugin is installed). Importing this module imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the PyPI wheel is a CUDA build
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+VOCAB_SIZE = 32000
+MAX_MODEL_LEN = 8192
+
+_TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": MAX_MODEL_LEN,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+}
+
+
+def write_model_dir(path: Path) -> Path:
+    """Writes the tiny model's ``config.json`` into ``path`` (a directory) and returns it."""
+    (path / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    return path
+
+
+def tiny_model_dir() -> Path:
+    """A process-wide temporary directory holding the tiny model's config."""
+    if "tiny" not in _model_dirs:
+        _model_dirs["tiny"] = write_model_dir(Path(tempfile.mkdtemp(prefix="kvblocks-tiny-")))
+    return _model_dirs["tiny"]
+
+
+_model_dirs: dict[str, Path] = {}
+
+
+_model_configs: dict[str, ModelConfig] = {}
+
+
+def model_config(model_dir: Path) -> ModelConfig:
+    """One ``ModelConfig`` per directory (building one inspects the architecture: slow)."""
+    key = str(model_dir)
+    if key not in _model_configs:
+        _model_configs[key] = ModelConfig(
+            model=key,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            seed=0,
+            max_model_len=MAX_MODEL_LEN,
+        )
+    return _model_configs[key]
+
+
+@dataclass
+class SchedulerSpec:
+    """The knobs the tests turn; everything else is vLLM's default."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+    hash_algo: str = "sha256"
+    enable_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    async_scheduling: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+        async_scheduling=spec.async_scheduling,
+    )
+    cache_config = CacheConfig(
+        block_size=spec.block_size,
+        enable_prefix_caching=spec.enable_caching,
+        prefix_caching_hash_algo=spec.hash_algo,
+    )
+    cache_config.num_gpu_blocks = spec.num_blocks
+    return VllmConfig(
+        model_config=model_config(model_dir),
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        **spec.extra,
+    )
+
+
+def make_kv_cache_config(spec: SchedulerSpec) -> KVCacheConfig:
+    attention = FullAttentionSpec(
+        block_size=spec.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=spec.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], attention)],
+    )
+
+
+def make_scheduler(model_dir: Path, spec: SchedulerSpec) -> Scheduler:
+    vllm_config = make_vllm_config(model_dir, spec)
+    scheduler_cls: type[Scheduler] = Scheduler
+    if spec.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        scheduler_cls = AsyncScheduler
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=make_kv_cache_config(spec),
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=spec.block_size,
+    )
+
+
+def block_hasher(hash_algo: str, block_size: int) -> Callable[[Request], list[bytes]]:
+    """The request block hasher as ``EngineCore`` builds it: NONE_HASH first, then the
+    factory looked up through ``kv_cache_utils`` (which the plugin patches)."""
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    hasher: Callable[[Request], list[bytes]] = kv_cache_utils.get_request_block_hasher(
+        block_size, hash_fn
+    )
+    return hasher
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    hasher: Callable[[Request], list[bytes]] | None,
+    *,
+    max_tokens: int = 8,
+    **kwargs: Any,
+) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id, list(prompt), params, None, block_hasher=hasher, **kwargs)
+
+
+def sampled_token(request_id: str, position: int) -> int:
+    """The fake model's token: a fixed function of the request and the position."""
+    return zlib.crc32(f"{request_id}:{position}".encode()) % VOCAB_SIZE
+
+
+def fake_model_output(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+    req_ids = list(out.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        done = request.num_computed_tokens >= request.num_tokens
+        sampled.append([sampled_token(req_id, request.num_tokens)] if done else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
+    """Everything a scheduler step decides, as plain comparable values."""
+    cached = out.scheduled_cached_reqs
+    return (
+        sorted(out.num_scheduled_tokens.items()),
+        [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
+        list(
+            zip(
+                cached.req_ids,
+                cached.new_block_ids,
+                cached.num_computed_tokens,
+                cached.num_output_tokens,
+                strict=True,
+            )
+        ),
+        sorted(cached.resumed_req_ids),
+        sorted(out.finished_req_ids),
+        sorted(out.preempted_req_ids or ()),
+    )
+
+
+def run(
+    scheduler: Scheduler,
+    arrivals: Iterable[tuple[int, Request]],
+    *,
+    max_steps: int = 10_000,
+) -> list[tuple[Any, ...]]:
+    """Adds each request at its step, steps until every request finished, and returns each
+    step's snapshot with the requests' block hashes at the end."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    steps: list[tuple[Any, ...]] = []
+    requests: list[Request] = []
+    for step in range(max_steps):
+        while pending and pending[0][0] <= step:
+            request = pending.pop(0)[1]
+            requests.append(request)
+            scheduler.add_request(request)
+        if not pending and not scheduler.has_requests():
+            break
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, fake_model_output(scheduler, out))
+        steps.append(snapshot(out))
+    else:
+        raise AssertionError(f"the workload did not finish in {max_steps} steps")
+    steps.append(tuple((r.request_id, list(r.block_hashes)) for r in requests))
+    return steps
+
+
+# Timed runs: the benchmark's and `kvblocks bench --engine vllm`'s measurement.
+
+#: The KV-cache manager methods vLLM's scheduler calls, timed by :func:`timed_run`.
+MANAGER_METHODS = (
+    "new_step_starts",
+    "get_computed_blocks",
+    "allocate_slots",
+    "get_blocks",
+    "cache_blocks",
+    "estimate_cached_tokens",
+    "free",
+    "take_events",
+    "take_new_block_ids",
+    "take_kv_cache_block_copies",
+    "take_boundary_state_offloads",
+    "record_prefix_cache_stats",
+    "make_prefix_cache_stats",
+    "reset_prefix_cache",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests that share a prefix: ``num_requests`` prompts of ``prompt_len`` tokens whose
+    first ``shared_len`` tokens are the same, ``output_len`` generated tokens each."""
+
+    num_requests: int = 256
+    prompt_len: int = 2000
+    shared_len: int = 1500
+    output_len: int = 32
+    seed: int = 0
+
+    def prompts(self) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        shared = [rng.randrange(VOCAB_SIZE) for _ in range(self.shared_len)]
+        own = self.prompt_len - self.shared_len
+        return [
+            shared + [rng.randrange(VOCAB_SIZE) for _ in range(own)]
+            for _ in range(self.num_requests)
+        ]
+
+
+@dataclass
+class Timings:
+    """Scheduler-side CPU time of one run, in seconds."""
+
+    arrival: float = 0.0  # building the requests (hashing their prompts) and add_request
+    hashing: float = 0.0  # inside the request block hasher, at arrival
+    schedule: float = 0.0
+    update: float = 0.0  # update_from_output (appending tokens hashes new full blocks)
+    manager: float = 0.0  # inside the KV-cache manager, during schedule and update
+    manager_calls: dict[str, list[float]] = field(default_factory=dict)  # name -> [calls, s]
+    steps: int = 0
+
+    @property
+    def scheduler(self) -> float:
+        """Request arrival + ``schedule()`` + ``update_from_output()``."""
+        return self.arrival + self.schedule + self.update
+
+
+def _timed(function: Callable[..., Any], slot: list[float]) -> Callable[..., Any]:
+    clock = time.perf_counter
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            slot[0] += 1
+            slot[1] += clock() - start
+
+    return wrapper
+
+
+def timed_run(
+    model_dir: Path, spec: SchedulerSpec, workload: Workload
+) -> tuple[Timings, list[tuple[Any, ...]]]:
+    """Adds every request of ``workload`` at once, then steps vLLM's scheduler to the end.
+    Returns the timings and each step's :func:`snapshot` (to check two runs are identical)."""
+    timings = Timings()
+    hasher_slot = [0.0, 0.0]
+    hasher = _timed(block_hasher(spec.hash_algo, spec.block_size), hasher_slot)
+    scheduler = make_scheduler(model_dir, spec)
+    manager = scheduler.kv_cache_manager
+    for name in MANAGER_METHODS:
+        method = getattr(manager, name, None)
+        if method is not None:
+            slot = timings.manager_calls.setdefault(name, [0.0, 0.0])
+            setattr(manager, name, _timed(method, slot))
+    prompts = workload.prompts()
+    clock = time.perf_counter
+    start = clock()
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(make_request(f"r{i}", prompt, hasher, max_tokens=workload.output_len))
+    timings.arrival = clock() - start
+    timings.hashing = hasher_slot[1]
+    manager_at_arrival = sum(s for _, s in timings.manager_calls.values())
+    snapshots = []
+    while scheduler.has_requests():
+        start = clock()
+        out = scheduler.schedule()
+        middle = clock()
+        scheduler.update_from_output(out, fake_model_output(scheduler, out))
+        timings.schedule += middle - start
+        timings.update += clock() - middle
+        timings.steps += 1
+        snapshots.append(snapshot(out))
+    timings.manager = sum(s for _, s in timings.manager_calls.values()) - manager_at_arrival
+    return timings, snapshots

@@ -1,0 +1,44 @@
+"""The test tier against the real vllm 0.33 wheel, on the CPU.
+
+Collected only where vllm can be imported, except that ``KVBLOCKS_REQUIRE_VLLM=1`` (set by
+``.ci/run``) turns a missing vllm into a failure instead of a skip."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The PyPI wheel is a CUDA build; without this VllmConfig cannot infer a device here.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+if os.environ.get("KVBLOCKS_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="the vLLM tier needs vllm (pip install 'kvblocks[vllm]')")
+
+import kvblocks.vllm
+from kvblocks.vllm.simulate import write_model_dir
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def plugin() -> Iterator[None]:
+    """kvblocks installed (mode "all") for one test, then vLLM restored."""
+    kvblocks.vllm.install("all")
+    try:
+        yield
+    finally:
+        kvblocks.vllm.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _vllm_unpatched() -> Iterator[None]:
+    """Every test starts and ends with vLLM's own code in place."""
+    kvblocks.vllm.uninstall()
+    yield
+    kvblocks.vllm.uninstall()

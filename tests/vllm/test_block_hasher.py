@@ -1,0 +1,346 @@
+"""kvblocks' request block hasher against vLLM 0.33's own, on the same requests.
+
+vLLM's hasher is the independent oracle here: every test builds the same request twice, once
+with each hasher, and compares ``request.block_hashes``. A counter on vLLM's
+``hash_block_tokens`` proves which code produced the kvblocks side (zero calls unless the
+request fell back)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.request import Request
+
+import kvblocks.vllm
+from kvblocks.vllm import _state
+from kvblocks.vllm.simulate import make_request
+
+ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+Hasher = Callable[[Request], list[bytes]]
+
+
+class VllmHashCalls:
+    """Counts calls of vLLM's ``hash_block_tokens`` (made only by vLLM's own hasher)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = kv_cache_utils.hash_block_tokens
+
+        def counting(*args: Any, **kwargs: Any) -> bytes:
+            self.count += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(kv_cache_utils, "hash_block_tokens", counting)
+
+
+@pytest.fixture
+def vllm_calls(monkeypatch: pytest.MonkeyPatch) -> VllmHashCalls:
+    return VllmHashCalls(monkeypatch)
+
+
+def both_hashers(algo: str, block_size: int, lookahead: int = 0) -> tuple[Hasher, Hasher]:
+    """(vLLM's hasher, kvblocks' hasher), both built after NONE_HASH is set, as EngineCore
+    does: vLLM's reads NONE_HASH at every call, so building both after it keeps them on one
+    seed even for the random-seeded xxhash algorithms."""
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    stock_factory = kv_cache_utils.get_request_block_hasher
+    kvblocks.vllm.install("hasher")
+    ours = kv_cache_utils.get_request_block_hasher(block_size, hash_fn, lookahead)
+    assert kv_cache_utils.get_request_block_hasher is not stock_factory
+    return stock_factory(block_size, hash_fn, lookahead), ours
+
+
+def pair(stock: Hasher, ours: Hasher, prompt: list[int], **kwargs: Any) -> tuple[Request, Request]:
+    return make_request("a", prompt, stock, **kwargs), make_request("b", prompt, ours, **kwargs)
+
+
+def fallbacks() -> dict[tuple[str, str], int]:
+    return dict(_state.fallbacks)
+
+
+@pytest.fixture(autouse=True)
+def _clear_fallbacks() -> Iterator[None]:
+    _state.fallbacks.clear()
+    yield
+    _state.fallbacks.clear()
+
+
+@pytest.mark.parametrize("seed", [None, "0", "a shared seed"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_prompt_hashes_match_vllm(
+    algo: str, seed: str | None, monkeypatch: pytest.MonkeyPatch, vllm_calls: VllmHashCalls
+) -> None:
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    stock, ours = both_hashers(algo, 16)
+    prompt = [random.Random(7).randrange(32000) for _ in range(16 * 9 + 5)]
+    a, b = pair(stock, ours, prompt)
+    calls_for_stock = vllm_calls.count
+    assert calls_for_stock == 9
+    assert len(b.block_hashes) == 9
+    assert b.block_hashes == a.block_hashes
+    assert vllm_calls.count == calls_for_stock, "kvblocks' side must not call vLLM's hashing"
+    assert kvblocks.vllm.status().active == {"hasher": algo}
+    assert fallbacks() == {}
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_appends_across_block_boundaries_and_truncation(
+    algo: str, vllm_calls: VllmHashCalls
+) -> None:
+    stock, ours = both_hashers(algo, 4)
+    a, b = pair(stock, ours, list(range(100, 110)))
+    rng = random.Random(algo)
+    for step in range(60):
+        tokens: int | list[int] = (
+            rng.randrange(32000) if step % 3 else [rng.randrange(32000) for _ in range(5)]
+        )
+        calls = vllm_calls.count
+        a.append_output_token_ids(tokens)
+        stock_calls = vllm_calls.count - calls
+        b.append_output_token_ids(tokens)
+        assert vllm_calls.count - calls == stock_calls
+        assert b.block_hashes == a.block_hashes
+        if step % 17 == 16:
+            # The scheduler truncates block_hashes (streaming sessions, resets): the hasher
+            # must resume from wherever the list now ends.
+            keep = rng.randrange(len(a.block_hashes) + 1)
+            del a.block_hashes[keep:]
+            del b.block_hashes[keep:]
+        if step == 40:
+            a.block_hashes.clear()
+            b.block_hashes.clear()
+    assert len(a.block_hashes) > 10
+    assert fallbacks() == {}
+
+
+def fresh(s: str) -> str:
+    """An equal string as a distinct object, as decoding a request makes it."""
+    return s.encode().decode()
+
+
+def _mm(identifier: str, offset: int, length: int) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=offset, length=length),
+    )
+
+
+EXTRA_KEY_CASES: dict[str, dict[str, Any]] = {
+    "cache_salt": {"cache_salt": "tenant-42"},
+    "lora": {"lora_request": LoRARequest("adapter-a", 3, "/adapters/a")},
+    "lora_one_char": {"lora_request": LoRARequest("b", 4, "/")},
+    "mm": {
+        # One image twice, as two decoded strings (one object twice takes the pickle
+        # fallback: see test_fallback_pickle_identity).
+        "mm_features": [_mm("img-0", 3, 9), _mm("img-1", 12, 2), _mm(fresh("img-0"), 30, 40)],
+    },
+    "all": {
+        "cache_salt": "s",
+        "lora_request": LoRARequest("adapter-c", 5, "/p/c"),
+        "mm_features": [_mm("image-x", 0, 20)],
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(EXTRA_KEY_CASES))
+@pytest.mark.parametrize("algo", ALGOS)
+def test_extra_keys_match_vllm(algo: str, case: str, vllm_calls: VllmHashCalls) -> None:
+    stock, ours = both_hashers(algo, 8)
+    kwargs = EXTRA_KEY_CASES[case]
+    a, b = pair(stock, ours, list(range(50, 125)), **kwargs)
+    assert b.block_hashes == a.block_hashes
+    for token in range(40):
+        a.append_output_token_ids(token)
+        b.append_output_token_ids(token)
+    del a.block_hashes[3:]
+    del b.block_hashes[3:]
+    a.append_output_token_ids(list(range(9)))
+    b.append_output_token_ids(list(range(9)))
+    assert b.block_hashes == a.block_hashes
+    assert len(b.block_hashes) == (75 + 49) // 8
+    # The keys really are mixed in: a plain request hashes differently.
+    plain = make_request("c", list(range(50, 125)), ours)
+    assert plain.block_hashes[0] != b.block_hashes[0]
+    assert fallbacks() == {}
+
+
+def test_engine_core_name_is_replaced_too() -> None:
+    from vllm.v1.engine import core
+
+    kvblocks.vllm.install("all")
+    assert core.get_request_block_hasher is kv_cache_utils.get_request_block_hasher
+    assert core.get_request_block_hasher.__module__ == "kvblocks.vllm.block_hasher"
+    kvblocks.vllm.uninstall()
+    assert core.get_request_block_hasher.__module__ == "vllm.v1.core.kv_cache_utils"
+    assert kv_cache_utils.get_request_block_hasher.__module__ == "vllm.v1.core.kv_cache_utils"
+
+
+# Fallbacks: each case gets vLLM's bytes from vLLM's own code, and says why.
+
+
+def _check_fallback(a: Request, b: Request, reason: str) -> None:
+    assert b.block_hashes == a.block_hashes
+    assert len(b.block_hashes) > 0
+    assert fallbacks().get(("hasher", reason), 0) >= 1, fallbacks()
+    assert any(reason_text(reason) in text for text in kvblocks.vllm.status().fallbacks)
+
+
+def reason_text(reason: str) -> str:
+    return _state.REASONS[reason]
+
+
+def test_fallback_prompt_embeds(vllm_calls: VllmHashCalls) -> None:
+    stock, ours = both_hashers("sha256_cbor", 4)
+    embeds = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    params = {"prompt_embeds": embeds}
+    sampling = SamplingParams(max_tokens=4)
+    a = Request("a", None, sampling, None, block_hasher=stock, **params)
+    calls = vllm_calls.count
+    b = Request("b", None, sampling, None, block_hasher=ours, **params)
+    assert vllm_calls.count > calls
+    _check_fallback(a, b, "prompt_embeds")
+
+
+def test_fallback_lookahead(vllm_calls: VllmHashCalls) -> None:
+    stock, ours = both_hashers("sha256", 4, lookahead=1)
+    a, b = pair(stock, ours, list(range(21)))
+    assert ours.__module__ == "vllm.v1.core.kv_cache_utils"
+    _check_fallback(a, b, "lookahead")
+
+
+def test_fallback_unknown_hash_function() -> None:
+    kvblocks.vllm.install("hasher")
+
+    def custom_hash(obj: Any) -> bytes:
+        return get_hash_fn_by_name("sha256")(("custom", obj))
+
+    kv_cache_utils.init_none_hash(custom_hash)
+    ours = kv_cache_utils.get_request_block_hasher(4, custom_hash)
+    stock = _state.original("get_request_block_hasher")(4, custom_hash)
+    a, b = pair(stock, ours, list(range(13)))
+    assert b.block_hashes == a.block_hashes
+    assert fallbacks() == {("hasher", "hash_fn"): 1}
+
+
+def test_fallback_none_hash_mismatch(
+    monkeypatch: pytest.MonkeyPatch, vllm_calls: VllmHashCalls
+) -> None:
+    stock, ours = both_hashers("sha256_cbor", 4)
+    # Something else in the process set NONE_HASH from a seed kvblocks is not told about.
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", b"\x01" * 32)
+    a, b = pair(stock, ours, list(range(13)))
+    _check_fallback(a, b, "none_hash")
+
+
+def test_none_hash_reinitialized_is_followed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second init_none_hash (xxhash draws a new random seed each time) changes vLLM's
+    hashes of later requests; kvblocks' hasher follows it."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    stock, ours = both_hashers("xxhash_cbor", 4)
+    first = make_request("b", list(range(13)), ours).block_hashes
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name("xxhash_cbor"))
+    a, b = pair(stock, ours, list(range(13)))
+    assert b.block_hashes == a.block_hashes
+    assert b.block_hashes != first
+    assert fallbacks() == {}
+
+
+def test_fallback_pickle_identity(vllm_calls: VllmHashCalls) -> None:
+    """With pickle, one string object used twice in a block is written once: kvblocks models
+    distinct objects, so such a request is hashed by vLLM."""
+    path = fresh("/shared/name")  # one object used as both name and path
+    stock, ours = both_hashers("sha256", 4)
+    a, b = pair(stock, ours, list(range(13)), lora_request=LoRARequest(path, 1, path))
+    _check_fallback(a, b, "pickle_identity")
+    # The same strings as distinct objects take the fast path and still match.
+    _state.fallbacks.clear()
+    other = fresh(path)
+    a, b = pair(stock, ours, list(range(13)), lora_request=LoRARequest(path, 1, other))
+    assert b.block_hashes == a.block_hashes
+    assert fallbacks() == {}
+
+
+def test_fallback_overlapping_mm_items(vllm_calls: VllmHashCalls) -> None:
+    stock, ours = both_hashers("sha256_cbor", 4)
+    features = [_mm("outer", 0, 30), _mm("inner", 5, 3)]
+    a, b = pair(stock, ours, list(range(33)), mm_features=features)
+    for token in range(9):
+        a.append_output_token_ids(token)
+        b.append_output_token_ids(token)
+    _check_fallback(a, b, "mm_layout")
+
+
+def test_fallback_token_out_of_range(vllm_calls: VllmHashCalls) -> None:
+    stock, ours = both_hashers("sha256_cbor", 4)
+    a, b = pair(stock, ours, [1, 2, -3, 4, 5, 6, 7, 2**40, 9])
+    _check_fallback(a, b, "bad_field")
+
+
+# Random requests.
+
+features_strategy = st.lists(
+    st.tuples(st.integers(0, 12), st.integers(1, 20), st.sampled_from(["i0", "i1", "i2"])),
+    max_size=3,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    algo=st.sampled_from(ALGOS),
+    block_size=st.sampled_from([1, 2, 3, 4, 16]),
+    prompt=st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    appends=st.lists(st.lists(st.integers(0, 2**31), min_size=1, max_size=9), max_size=12),
+    salt=st.sampled_from([None, "", "salt", "é"]),
+    lora=st.sampled_from([None, ("n", "/p"), ("adapter", "x")]),
+    gaps=features_strategy,
+    truncate_at=st.integers(0, 30),
+)
+def test_random_requests_match_vllm(
+    algo: str,
+    block_size: int,
+    prompt: list[int],
+    appends: list[list[int]],
+    salt: str | None,
+    lora: tuple[str, str] | None,
+    gaps: list[tuple[int, int, str]],
+    truncate_at: int,
+) -> None:
+    kvblocks.vllm.uninstall()
+    stock, ours = both_hashers(algo, block_size)
+    features, position = [], 0
+    for gap, length, identifier in gaps:
+        # fresh string objects, as decoded from a request
+        features.append(_mm(fresh(identifier), position + gap, length))
+        position += gap + length
+    if position > len(prompt):
+        features = []
+    kwargs: dict[str, Any] = {"cache_salt": salt, "mm_features": features}
+    if lora is not None:
+        kwargs["lora_request"] = LoRARequest(fresh(lora[0]), 1, fresh(lora[1]))
+    a, b = pair(stock, ours, prompt, **kwargs)
+    assert b.block_hashes == a.block_hashes
+    for i, tokens in enumerate(appends):
+        a.append_output_token_ids(tokens)
+        b.append_output_token_ids(tokens)
+        if i == len(appends) // 2:
+            del a.block_hashes[truncate_at:]
+            del b.block_hashes[truncate_at:]
+        assert b.block_hashes == a.block_hashes
+    assert fallbacks() == {}

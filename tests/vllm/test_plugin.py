@@ -1,0 +1,186 @@
+"""The plugin as vLLM loads it, its controls, and whole scheduler runs with it on and off."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import vllm.plugins
+from vllm.v1.core import kv_cache_utils
+
+import kvblocks.vllm
+from kvblocks.vllm import _state
+from kvblocks.vllm.simulate import (
+    SchedulerSpec,
+    block_hasher,
+    make_request,
+    make_scheduler,
+    run,
+)
+
+OURS = "kvblocks.vllm.block_hasher"
+STOCK = "vllm.v1.core.kv_cache_utils"
+
+
+def load_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own plugin loading, as EngineCore runs it (once per process: reset the flag)."""
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    vllm.plugins.load_general_plugins()
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"), [(None, OURS), ("all", OURS), ("hasher", OURS), ("off", STOCK)]
+)
+def test_loaded_through_vllm_entry_point(
+    env: str | None, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    if env is None:
+        monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
+    else:
+        monkeypatch.setenv("KVBLOCKS_VLLM", env)
+    load_plugins(monkeypatch)
+    assert kv_cache_utils.get_request_block_hasher.__module__ == expected
+    assert kvblocks.vllm.status().mode == (env or "all")
+
+
+def test_vllm_plugins_can_exclude_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
+    load_plugins(monkeypatch)
+    assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin,kvblocks")
+    load_plugins(monkeypatch)
+    assert kv_cache_utils.get_request_block_hasher.__module__ == OURS
+
+
+def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
+    kvblocks.vllm.register()
+    first = kv_cache_utils.get_request_block_hasher
+    kvblocks.vllm.register()
+    assert kv_cache_utils.get_request_block_hasher is first
+    kvblocks.vllm.uninstall()
+    assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
+
+
+def test_unsupported_vllm_version_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(kvblocks.vllm, "_vllm_version", lambda: "0.34.1")
+    monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
+        kvblocks.vllm.register()
+    assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
+    assert kvblocks.vllm.status().mode == "off"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "0.34.1" in warnings[0].getMessage()
+    with pytest.raises(ImportError, match=r"0\.34\.1"):
+        kvblocks.vllm.install()
+
+
+def test_bad_mode(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ValueError, match="unknown mode"):
+        kvblocks.vllm.install("fast")
+    monkeypatch.setenv("KVBLOCKS_VLLM", "fast")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
+        kvblocks.vllm.register()  # never raises inside vLLM's start-up
+    assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
+    assert any("unknown mode" in r.getMessage() for r in caplog.records)
+
+
+def test_off_is_silent(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("KVBLOCKS_VLLM", "off")
+    with caplog.at_level(logging.DEBUG, logger="vllm.kvblocks"):
+        kvblocks.vllm.register()
+    assert caplog.records == []
+    assert kvblocks.vllm.status().active == {}
+
+
+def test_one_info_line_says_what_is_active(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
+        kvblocks.vllm.install()
+        block_hasher("sha256_cbor", 16)
+        block_hasher("sha256_cbor", 16)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("hasher runs on kvblocks (sha256_cbor)" in line for line in lines) == 1, lines
+
+
+def test_status_str_names_parts_and_fallbacks() -> None:
+    kvblocks.vllm.install()
+    block_hasher("sha256", 16)
+    text = str(kvblocks.vllm.status())
+    assert "mode=all" in text
+    assert "hasher on sha256" in text
+
+
+def test_import_kvblocks_does_not_import_vllm() -> None:
+    code = "import sys, kvblocks, kvblocks.vllm; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_fresh_process_with_engine_core(tmp_path: Path) -> None:
+    """In a new process, as in an engine-core process: vLLM imports EngineCore (binding the
+    name), then loads plugins; the bound name is replaced too."""
+    code = (
+        "import vllm.v1.engine.core as core\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "import kvblocks.vllm\n"
+        "print(core.get_request_block_hasher.__module__)\n"
+        "print(kvblocks.vllm.status().mode)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("KVBLOCKS_VLLM", "VLLM_PLUGINS")}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [OURS, "all"]
+
+
+# Whole scheduler runs: identical SchedulerOutputs with the plugin on and off.
+
+
+def shared_prefix_workload(hasher, n: int, seed: int) -> list[tuple[int, object]]:
+    import random
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(32000) for _ in range(rng.randrange(20, 90))] for _ in range(3)]
+    arrivals = []
+    for i in range(n):
+        prompt = rng.choice(prefixes) + [rng.randrange(32000) for _ in range(rng.randrange(1, 40))]
+        request = make_request(f"r{i}", prompt, hasher, max_tokens=rng.randrange(1, 30))
+        arrivals.append((rng.randrange(0, 20), request))
+    return arrivals
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash_cbor"])
+@pytest.mark.parametrize("num_blocks", [40, 400])
+def test_scheduler_run_identical_with_plugin(model_dir: Path, algo: str, num_blocks: int) -> None:
+    spec = SchedulerSpec(
+        block_size=8, num_blocks=num_blocks, hash_algo=algo, max_num_batched_tokens=256
+    )
+    os.environ["PYTHONHASHSEED"] = "7"  # one NONE_HASH for both runs of the xxhash algorithm
+    try:
+        stock_run = run(
+            make_scheduler(model_dir, spec), shared_prefix_workload(block_hasher(algo, 8), 40, 1)
+        )
+        kvblocks.vllm.install()
+        _state.fallbacks.clear()
+        ours = block_hasher(algo, 8)
+        assert ours.__module__ == OURS
+        kv_run = run(make_scheduler(model_dir, spec), shared_prefix_workload(ours, 40, 1))
+    finally:
+        del os.environ["PYTHONHASHSEED"]
+    assert len(stock_run) > 20
+    assert kv_run == stock_run
+    assert dict(_state.fallbacks) == {}
+    if num_blocks == 40:  # the small pool must have preempted someone
+        assert any(step[5] for step in stock_run[:-1])
