@@ -14,6 +14,7 @@ __all__ = [
     "HASH_ALGORITHMS",
     "BlockHasher",
     "BlockManager",
+    "KVCacheCore",
     "KvBlocksError",
     "TokenSequence",
     "__version__",
@@ -205,3 +206,56 @@ class BlockManager:
     def take_events(self) -> list[KVCacheEvent]: ...
     def take_block_copies(self) -> npt.NDArray[np.int32]: ...
     def debug_state(self) -> dict[str, Any]: ...
+
+@final
+class KVCacheCore:
+    """The Rust half of ``kvblocks.vllm.KVCacheManager`` (vLLM's manager for one
+    full-attention group): keyed by request id, on block hashes the caller passes."""
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        /,
+        *,
+        max_model_len: int,
+        enable_caching: bool = True,
+        enable_events: bool = False,
+        watermark_blocks: int = 0,
+    ) -> KVCacheCore: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def usage(self) -> float: ...
+    def __len__(self) -> int: ...
+    def lookup(self, block_hashes: list[bytes], max_blocks: int, /) -> list[int]: ...
+    def allocate_slots(
+        self,
+        request_id: str,
+        block_hashes: list[bytes],
+        num_tokens: int,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: list[int] | None,
+        num_lookahead_tokens: int,
+        apply_watermark: bool,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        delay_cache_blocks: bool,
+        /,
+    ) -> list[int] | None: ...
+    def cache_blocks(
+        self, request_id: str, block_hashes: list[bytes], num_tokens: int, /
+    ) -> None: ...
+    def free(self, request_id: str, /) -> None: ...
+    def get_block_ids(self, request_id: str, /) -> list[int]: ...
+    def estimate_cached_tokens(self, request_id: str, /) -> int: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def take_events(
+        self,
+    ) -> list[tuple[str] | tuple[str, bytes] | tuple[str, str, int, int]]: ...

@@ -183,4 +183,4 @@ def test_scheduler_run_identical_with_plugin(model_dir: Path, algo: str, num_blo
     assert kv_run == stock_run
     assert dict(_state.fallbacks) == {}
     if num_blocks == 40:  # the small pool must have preempted someone
-        assert any(step[5] for step in stock_run[:-1])
+        assert any(step[0][5] for step in stock_run[:-1])

@@ -3,11 +3,14 @@
 Installed with ``pip install "kvblocks[vllm]"``, vLLM loads it through the entry point
 ``vllm.general_plugins`` (``kvblocks = "kvblocks.vllm:register"``) in every process it starts.
 It replaces vLLM's request block hasher by kvblocks' (byte-identical hashes, falling back to
-vLLM's own per request wherever kvblocks would not be exact).
+vLLM's own per request wherever kvblocks would not be exact) and, for the configurations where
+it is exact, the KV-cache manager under vLLM's scheduler by one on kvblocks' Rust block pool
+(:mod:`kvblocks.vllm.scheduler`; vLLM keeps its own elsewhere, with one log line saying why).
 
 Control: the environment variable ``KVBLOCKS_VLLM`` = ``all`` (the default: every part that
 supports the configuration), ``hasher`` (only the block hasher) or ``off``; or, in a notebook
-or a test, :func:`install` / :func:`uninstall`. :func:`status` says what is active in this
+or a test, :func:`install` / :func:`uninstall`; or ``--scheduler-cls kvblocks.vllm.Scheduler``
+(``AsyncScheduler``) for the manager explicitly. :func:`status` says what is active in this
 process and why anything fell back. Importing this module does not import vLLM.
 """
 
@@ -19,7 +22,32 @@ from dataclasses import dataclass, field
 
 from kvblocks.vllm import _state
 
-__all__ = ["MODES", "SUPPORTED_VLLM", "Status", "install", "register", "status", "uninstall"]
+__all__ = [
+    "MODES",
+    "SUPPORTED_VLLM",
+    "AsyncScheduler",
+    "KVCacheManager",
+    "Scheduler",
+    "Status",
+    "install",
+    "register",
+    "status",
+    "uninstall",
+]
+
+
+def __getattr__(name: str) -> object:
+    # These import vLLM: only when asked for (e.g. by --scheduler-cls kvblocks.vllm.Scheduler).
+    if name in ("Scheduler", "AsyncScheduler"):
+        from kvblocks.vllm import scheduler
+
+        return getattr(scheduler, name)
+    if name == "KVCacheManager":
+        from kvblocks.vllm.kv_cache_manager import KVCacheManager
+
+        return KVCacheManager
+    raise AttributeError(f"module 'kvblocks.vllm' has no attribute {name!r}")
+
 
 #: The values of ``KVBLOCKS_VLLM`` and of :func:`install`'s ``mode``.
 MODES = ("all", "hasher", "off")
@@ -37,7 +65,8 @@ class Status:
     mode: str
     #: The installed vLLM version, or None when vLLM cannot be imported.
     vllm_version: str | None
-    #: Active part -> what it runs on, e.g. ``{"hasher": "sha256_cbor"}``.
+    #: Active part -> what it runs on, e.g. ``{"hasher": "sha256_cbor", "kv_cache_manager":
+    #: "16-token blocks, prefix caching on"}``.
     active: dict[str, str] = field(default_factory=dict)
     #: ``"part: reason" -> count`` of fallbacks to vLLM's own code.
     fallbacks: dict[str, int] = field(default_factory=dict)
@@ -109,6 +138,10 @@ def install(mode: str = "all") -> Status:
     engine_core = sys.modules.get("vllm.v1.engine.core")
     if engine_core is not None:
         _state.patch(engine_core, "get_request_block_hasher", get_request_block_hasher)
+    if mode == "all":
+        from kvblocks.vllm import scheduler
+
+        scheduler.install()
     _state.mode = mode
     _state.logger().info("kvblocks: installed into vLLM %s (mode=%s)", version, mode)
     return status()

@@ -9,8 +9,8 @@ from collections import Counter
 from typing import Any
 
 _lock = threading.Lock()
-#: (module name, attribute) -> the vLLM object kvblocks replaced there.
-_patched: dict[tuple[str, str], Any] = {}
+#: (id(target), attribute) -> (target, the vLLM object kvblocks replaced there).
+_patched: dict[tuple[int, str], tuple[Any, Any]] = {}
 #: attribute name -> the original vLLM object (the same for every module that imports it).
 _originals: dict[str, Any] = {}
 mode = "off"
@@ -29,6 +29,24 @@ REASONS = {
     "mm_layout": "multimodal items that overlap or are not sorted by position",
     "pickle_identity": "pickle-based hash with extra-key strings shared by identity",
     "bad_field": "a request field kvblocks cannot read (type or range)",
+    # the KV-cache manager (see kvblocks.vllm.support)
+    "kv_cache_groups": "not exactly one KV-cache group (hybrid or attention-free model)",
+    "kv_cache_spec": "a KV-cache spec other than plain full attention (sliding window, MLA, "
+    "cross-attention, Mamba, ...)",
+    "kv_cache_group_role": "a special KV-cache group (EAGLE, host-resident, HiSparse)",
+    "hash_block_size": "hash_block_size differs from the block size (prefix_match_unit, DCP)",
+    "kv_connector": "a KV connector (kv_transfer_config)",
+    "ec_connector": "an encoder-cache connector (ec_transfer_config)",
+    "aux_output": "auxiliary outputs (routed experts) that read the block pool",
+    "speculative": "speculative decoding (EAGLE/MTP drafts, lookahead slots or hashing)",
+    "context_parallel": "decode or prefill context parallelism",
+    "metrics_collector": "the KV-cache metrics collector (--kv-cache-metrics)",
+    "zeroing": "KV-cache zeroing (Mamba or mixed-precision KV cache)",
+    "retention": "a prefix-cache retention interval",
+    "hash_algo": "a prefix-caching hash algorithm other than vLLM's four",
+    "scheduler_cls": "a custom scheduler class",
+    "encoder_decoder": "an encoder-decoder model",
+    "guard_error": "the configuration could not be read",
 }
 
 
@@ -48,26 +66,28 @@ def original(name: str) -> Any:
     return _originals[name]
 
 
-def patch(module: Any, name: str, replacement: Any) -> None:
-    """Sets ``module.name`` to ``replacement``, remembering vLLM's own object."""
+def original_or_current(target: Any, name: str) -> Any:
+    """``target.name`` as vLLM defined it, whether or not kvblocks replaced it."""
+    entry = _patched.get((id(target), name))
+    return entry[1] if entry is not None else getattr(target, name)
+
+
+def patch(target: Any, name: str, replacement: Any) -> None:
+    """Sets ``target.name`` (a module global or a class attribute) to ``replacement``,
+    remembering vLLM's own object."""
     with _lock:
-        key = (module.__name__, name)
-        current = getattr(module, name)
+        key = (id(target), name)
         if key not in _patched:
-            _patched[key] = current
-        _originals.setdefault(name, _patched[key])
-        setattr(module, name, replacement)
+            _patched[key] = (target, getattr(target, name))
+        _originals.setdefault(name, _patched[key][1])
+        setattr(target, name, replacement)
 
 
 def restore_all() -> None:
     """Puts back every object kvblocks replaced and forgets what was active."""
-    import sys
-
     with _lock:
-        for (module_name, name), value in _patched.items():
-            module = sys.modules.get(module_name)
-            if module is not None:
-                setattr(module, name, value)
+        for (_, name), (target, original) in _patched.items():
+            setattr(target, name, original)
         _patched.clear()
         active.clear()
 

@@ -97,17 +97,21 @@ class SchedulerSpec:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     async_scheduling: bool = False
+    watermark: float = 0.0
+    kv_events: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     scheduler_config = SchedulerConfig(
-        max_num_seqs=spec.max_num_seqs,
+        # vLLM needs a token budget of at least one token per sequence.
+        max_num_seqs=min(spec.max_num_seqs, spec.max_num_batched_tokens),
         max_num_batched_tokens=spec.max_num_batched_tokens,
         max_model_len=MAX_MODEL_LEN,
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
         async_scheduling=spec.async_scheduling,
+        watermark=spec.watermark,
     )
     cache_config = CacheConfig(
         block_size=spec.block_size,
@@ -115,11 +119,16 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         prefix_caching_hash_algo=spec.hash_algo,
     )
     cache_config.num_gpu_blocks = spec.num_blocks
+    extra = dict(spec.extra)
+    if spec.kv_events:
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     return VllmConfig(
         model_config=model_config(model_dir),
         scheduler_config=scheduler_config,
         cache_config=cache_config,
-        **spec.extra,
+        **extra,
     )
 
 
@@ -167,32 +176,65 @@ def make_request(
     hasher: Callable[[Request], list[bytes]] | None,
     *,
     max_tokens: int = 8,
+    sampling: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    """A vLLM ``Request`` (``kwargs`` go to ``Request``, ``sampling`` to ``SamplingParams``)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
     return Request(request_id, list(prompt), params, None, block_hasher=hasher, **kwargs)
 
 
-def sampled_token(request_id: str, position: int) -> int:
-    """The fake model's token: a fixed function of the request and the position."""
-    return zlib.crc32(f"{request_id}:{position}".encode()) % VOCAB_SIZE
+def sampled_token(request_id: str, index: int) -> int:
+    """The fake model's ``index``-th sampled token for a request: a fixed function of both."""
+    return zlib.crc32(f"{request_id}:{index}".encode()) % VOCAB_SIZE
 
 
-def fake_model_output(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
-    req_ids = list(out.num_scheduled_tokens)
-    sampled: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        done = request.num_computed_tokens >= request.num_tokens
-        sampled.append([sampled_token(req_id, request.num_tokens)] if done else [])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-    )
+class FakeModel:
+    """Samples one token for every request whose prefill is done, deciding at schedule time
+    (as the GPU would), so that outputs can be handed back one step late under async
+    scheduling."""
+
+    def __init__(self) -> None:
+        self._num_sampled: dict[str, int] = {}
+
+    def execute(self, scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            request = scheduler.requests.get(req_id)
+            if request is None or request.is_prefill_chunk:
+                sampled.append([])
+                continue
+            index = self._num_sampled.get(req_id, 0)
+            self._num_sampled[req_id] = index + 1
+            sampled.append([sampled_token(req_id, index)])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+
+
+class EventRecorder:
+    """Stands in for vLLM's KV-event publisher and keeps every batch's events as plain data."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Any]] = []
+
+    def publish(self, batch: Any) -> None:
+        import msgspec
+
+        self.batches.append([(type(e).__name__, msgspec.to_builtins(e)) for e in batch.events])
+
+    def shutdown(self) -> None:
+        pass
+
+    def take(self) -> list[list[Any]]:
+        batches, self.batches = self.batches, []
+        return batches
 
 
 def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
@@ -216,15 +258,53 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
     )
 
 
+def _outputs(engine_outputs: dict[int, Any]) -> tuple[Any, ...]:
+    """The request outputs and the prefix-cache statistics of one ``update_from_output``."""
+    outputs, stats = [], None
+    for eco in engine_outputs.values():
+        outputs += [
+            (o.request_id, list(o.new_token_ids), str(o.finish_reason)) for o in eco.outputs
+        ]
+        if eco.scheduler_stats is not None:
+            s = eco.scheduler_stats
+            p = s.prefix_cache_stats
+            stats = (
+                round(s.kv_cache_usage, 12),
+                (p.reset, p.requests, p.queries, p.hits),
+                (p.preempted_requests, p.preempted_queries, p.preempted_hits),
+            )
+    return tuple(outputs), stats
+
+
 def run(
     scheduler: Scheduler,
     arrivals: Iterable[tuple[int, Request]],
     *,
+    aborts: Iterable[tuple[int, str]] = (),
+    resets: Iterable[int] = (),
     max_steps: int = 10_000,
 ) -> list[tuple[Any, ...]]:
-    """Adds each request at its step, steps until every request finished, and returns each
-    step's snapshot with the requests' block hashes at the end."""
+    """Drives ``scheduler`` to the end of a script: requests arrive at their step, aborts
+    and ``reset_prefix_cache()`` calls happen at theirs. Returns, per step, the step's
+    :func:`snapshot`, the request outputs, the prefix-cache statistics, the KV events
+    published and the reset result; then the requests' final block hashes. An
+    ``AsyncScheduler`` gets each step's model output one step late, as under async
+    scheduling."""
+    from vllm.v1.request import RequestStatus
+
     pending = sorted(arrivals, key=lambda a: a[0])
+    abort_at = sorted(aborts)
+    reset_steps = set(resets)
+    recorder = EventRecorder()
+    scheduler.kv_event_publisher = recorder
+    model = FakeModel()
+    lag = (
+        1
+        if getattr(scheduler, "scheduler_config", None)
+        and scheduler.scheduler_config.async_scheduling
+        else 0
+    )
+    in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     steps: list[tuple[Any, ...]] = []
     requests: list[Request] = []
     for step in range(max_steps):
@@ -232,11 +312,18 @@ def run(
             request = pending.pop(0)[1]
             requests.append(request)
             scheduler.add_request(request)
-        if not pending and not scheduler.has_requests():
+        while abort_at and abort_at[0][0] <= step:
+            scheduler.finish_requests(abort_at.pop(0)[1], RequestStatus.FINISHED_ABORTED)
+        reset = scheduler.reset_prefix_cache() if step in reset_steps else None
+        if not pending and not scheduler.has_requests() and not in_flight:
             break
         out = scheduler.schedule()
-        scheduler.update_from_output(out, fake_model_output(scheduler, out))
-        steps.append(snapshot(out))
+        in_flight.append((out, model.execute(scheduler, out)))
+        outputs: tuple[Any, ...] = ((), None)
+        if len(in_flight) > lag or not scheduler.has_requests():
+            done, result = in_flight.pop(0)
+            outputs = _outputs(scheduler.update_from_output(done, result))
+        steps.append((snapshot(out), *outputs, recorder.take(), reset))
     else:
         raise AssertionError(f"the workload did not finish in {max_steps} steps")
     steps.append(tuple((r.request_id, list(r.block_hashes)) for r in requests))
@@ -333,6 +420,7 @@ def timed_run(
             slot = timings.manager_calls.setdefault(name, [0.0, 0.0])
             setattr(manager, name, _timed(method, slot))
     prompts = workload.prompts()
+    model = FakeModel()
     clock = time.perf_counter
     start = clock()
     for i, prompt in enumerate(prompts):
@@ -345,7 +433,7 @@ def timed_run(
         start = clock()
         out = scheduler.schedule()
         middle = clock()
-        scheduler.update_from_output(out, fake_model_output(scheduler, out))
+        scheduler.update_from_output(out, model.execute(scheduler, out))
         timings.schedule += middle - start
         timings.update += clock() - middle
         timings.steps += 1

@@ -8,6 +8,7 @@
 mod error;
 mod free_queue;
 pub mod hashing;
+pub mod kv_cache_manager;
 mod manager;
 pub mod pool;
 mod requests;
@@ -20,6 +21,7 @@ pub use hashing::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, MmFeature, RequestKeys, DEFAULT_SEED,
     HASH_ALGORITHMS,
 };
+pub use kv_cache_manager::{AllocateArgs, HashSource, KvCacheConfig, KvCacheManager, ManagerEvent};
 pub use manager::{BlockManager, ManagerConfig, StepInput, StepOutput, StepPlan, StepResult};
 pub use requests::RequestRef;
 pub use sequence::TokenSequence;

@@ -841,7 +841,7 @@ impl CacheContext<'_> {
                     p.record(request, index, block, b);
                 }
             }
-            self.pool.cache_block(block, key_of(hash, self.debug_key_bytes));
+            self.pool.cache_block(block, key_of(hash, self.debug_key_bytes), (index + 1) * b);
         }
         if self.pool.events_enabled() {
             self.pool.push_stored(BlockManager::stored_event(&request.seq, done, full, b));

@@ -66,6 +66,8 @@ pub struct BlockPool {
     ref_cnt: Vec<u32>,
     /// The cache key a block is registered under, if any.
     key: Vec<Option<BlockHash>>,
+    /// The prefix length the key of a block covers (vLLM's `block_hash_num_tokens`).
+    key_tokens: Vec<u32>,
     queue: FreeQueue,
     /// Key -> blocks registered under it, earliest first (no deduplication, as vLLM).
     cached: DigestMap<Vec<u32>>,
@@ -83,6 +85,7 @@ impl BlockPool {
         Ok(Self {
             ref_cnt: try_filled(num_blocks as usize, 0, "block reference counts")?,
             key: try_filled(num_blocks as usize, None, "block keys")?,
+            key_tokens: try_filled(num_blocks as usize, 0, "block key lengths")?,
             queue,
             cached: DigestMap::default(),
             enable_caching,
@@ -114,6 +117,14 @@ impl BlockPool {
 
     pub fn key(&self, block: u32) -> Option<&BlockHash> {
         self.key.get(block as usize).and_then(Option::as_ref)
+    }
+
+    /// The number of tokens of the prefix that the block's key covers; 0 without a key.
+    pub fn key_num_tokens(&self, block: u32) -> usize {
+        match self.key(block) {
+            Some(_) => self.key_tokens.get(block as usize).map_or(0, |&n| n as usize),
+            None => 0,
+        }
     }
 
     pub fn free_block_ids(&self) -> impl Iterator<Item = u32> + '_ {
@@ -237,13 +248,17 @@ impl BlockPool {
         }
     }
 
-    /// Registers `block` under `key` (a block already holding a key keeps it).
-    pub fn cache_block(&mut self, block: u32, key: BlockHash) {
+    /// Registers `block` under `key`, which covers a prefix of `num_tokens` tokens (a block
+    /// already holding a key keeps it).
+    pub fn cache_block(&mut self, block: u32, key: BlockHash, num_tokens: usize) {
         let Some(slot) = self.key.get_mut(block as usize) else { return };
         if slot.is_some() || block == NULL_BLOCK {
             return;
         }
         *slot = Some(key);
+        if let Some(n) = self.key_tokens.get_mut(block as usize) {
+            *n = u32::try_from(num_tokens).unwrap_or(u32::MAX);
+        }
         self.cached.entry(key).or_default().push(block);
     }
 

@@ -6,6 +6,7 @@ mod errors;
 mod hasher;
 mod ints;
 mod keys;
+mod kv_cache;
 mod manager;
 mod sequence;
 mod tokens;
@@ -22,5 +23,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hasher::PyBlockHasher>()?;
     m.add_class::<sequence::PyTokenSequence>()?;
     m.add_class::<manager::PyBlockManager>()?;
+    m.add_class::<kv_cache::PyKvCacheCore>()?;
     Ok(())
 }

@@ -123,6 +123,15 @@ pub enum BlockHash {
 }
 
 impl BlockHash {
+    /// A hash from its bytes: 32 (SHA-256) or 16 (XXH3-128) of them, else `None`.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        if let Ok(b) = <[u8; 32]>::try_from(bytes) {
+            Some(Self::Sha256(b))
+        } else {
+            <[u8; 16]>::try_from(bytes).ok().map(Self::Xxh3)
+        }
+    }
+
     pub fn as_bytes(&self) -> &[u8] {
         match self {
             Self::Sha256(b) => b,

@@ -1,0 +1,124 @@
+"""Putting kvblocks' KV-cache manager under vLLM's scheduler.
+
+vLLM 0.33's ``Scheduler.__init__`` builds its manager through the module global
+``vllm.v1.core.sched.scheduler.KVCacheManager`` (``AsyncScheduler`` inherits that
+``__init__``). kvblocks replaces that global by :func:`kv_cache_manager_factory`, which builds
+kvblocks' manager only while a scheduler that asked for it is being constructed, and only
+when :mod:`kvblocks.vllm.support` finds the configuration supported; in every other case it
+builds vLLM's own manager, with one log line naming the reason. Two ways to ask:
+
+- ``KVBLOCKS_VLLM=all`` (the plugin's default) wraps vLLM's ``Scheduler.__init__``, so every
+  vLLM scheduler built in the process asks;
+- ``--scheduler-cls kvblocks.vllm.Scheduler`` (or ``kvblocks.vllm.AsyncScheduler``) asks
+  explicitly, whatever ``KVBLOCKS_VLLM`` says.
+
+The factory never raises for a configuration it does not support: vLLM's start-up goes on
+with vLLM's manager.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from vllm.v1.core.sched import async_scheduler as _async_scheduler_module
+from vllm.v1.core.sched import scheduler as _scheduler_module
+
+from kvblocks.vllm import _state
+from kvblocks.vllm.kv_cache_manager import KVCacheManager
+from kvblocks.vllm.support import unsupported_config, unsupported_manager_arguments
+
+_building = threading.local()
+
+
+@contextmanager
+def _asking(vllm_config: Any) -> Iterator[None]:
+    """Marks the scheduler this thread is constructing as asking for kvblocks' manager."""
+    outer = getattr(_building, "vllm_config", None)
+    _building.vllm_config = vllm_config
+    try:
+        yield
+    finally:
+        _building.vllm_config = outer
+
+
+def _vllm_manager_class() -> Any:
+    return _state.original_or_current(_scheduler_module, "KVCacheManager")
+
+
+def kv_cache_manager_factory(**kwargs: Any) -> Any:
+    """Stands where vLLM's scheduler module names ``KVCacheManager``."""
+    vllm_config = getattr(_building, "vllm_config", None)
+    if vllm_config is None:
+        return _vllm_manager_class()(**kwargs)
+    try:
+        reason = unsupported_config(vllm_config, allowed_scheduler_cls=(Scheduler, AsyncScheduler))
+        if reason is None:
+            reason = unsupported_manager_arguments(
+                kwargs["kv_cache_config"],
+                scheduler_block_size=kwargs["scheduler_block_size"],
+                hash_block_size=kwargs.get("hash_block_size"),
+                use_eagle=kwargs.get("use_eagle", False),
+                num_hash_lookahead_tokens=kwargs.get("num_hash_lookahead_tokens", 0),
+                num_prefill_lookahead=kwargs.get("num_prefill_lookahead", 0),
+                dcp_world_size=kwargs.get("dcp_world_size", 1),
+                pcp_world_size=kwargs.get("pcp_world_size", 1),
+                metrics_collector=kwargs.get("metrics_collector"),
+            )
+    except Exception:  # an unexpected config shape: never break vLLM's start-up
+        reason = "guard_error"
+    if reason is not None:
+        _state.fall_back("kv_cache_manager", reason)
+        return _vllm_manager_class()(**kwargs)
+    manager = KVCacheManager(**kwargs)
+    caching = "prefix caching on" if manager.enable_caching else "prefix caching off"
+    _state.activate("kv_cache_manager", f"{manager.block_size}-token blocks, {caching}")
+    return manager
+
+
+def _asking_init(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        with _asking(vllm_config):
+            init(self, vllm_config, *args, **kwargs)
+
+    __init__.__kvblocks_wrapped__ = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def install_factory() -> None:
+    """Puts the factory where vLLM's scheduler module names its manager (harmless alone:
+    the factory builds vLLM's manager unless a scheduler asks)."""
+    if _scheduler_module.KVCacheManager is not kv_cache_manager_factory:
+        _state.patch(_scheduler_module, "KVCacheManager", kv_cache_manager_factory)
+
+
+def install() -> None:
+    """``KVBLOCKS_VLLM=all``: every vLLM scheduler built from now on asks."""
+    install_factory()
+    vllm_scheduler = _scheduler_module.Scheduler
+    if not getattr(vllm_scheduler.__init__, "__kvblocks_wrapped__", False):
+        _state.patch(vllm_scheduler, "__init__", _asking_init(vllm_scheduler.__init__))
+
+
+class Scheduler(_scheduler_module.Scheduler):  # type: ignore[misc]
+    """vLLM's ``Scheduler`` on kvblocks' KV-cache manager wherever it is exact
+    (``--scheduler-cls kvblocks.vllm.Scheduler``)."""
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        install_factory()
+        with _asking(vllm_config):
+            super().__init__(vllm_config, *args, **kwargs)
+
+
+class AsyncScheduler(_async_scheduler_module.AsyncScheduler):  # type: ignore[misc]
+    """vLLM's ``AsyncScheduler`` on kvblocks' KV-cache manager wherever it is exact
+    (``--scheduler-cls kvblocks.vllm.AsyncScheduler``)."""
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        install_factory()
+        with _asking(vllm_config):
+            super().__init__(vllm_config, *args, **kwargs)
