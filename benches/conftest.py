@@ -5,8 +5,9 @@ measured in this same run.
 Each benchmark names itself in ``benchmark.extra_info``: ``case`` (the workload), ``impl``
 (the variant) and ``baselines``, a list of ``[case, impl]`` pairs to divide by. A benchmark
 whose timed call includes set-up it does not want compared puts the median of the part it
-measured itself in ``seconds``; ``shares`` (name -> fraction) and ``bookkeeping_share`` add a
-table of where the time went.
+measured itself in ``seconds``; ``per_call`` (method -> seconds per call) adds a row per
+method that the baseline also reports; ``shares`` (name -> fraction) and
+``bookkeeping_share`` add a table of where the time went.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def _ratio_rows(benchmarks: list[Any]) -> list[tuple[str, str, str, float]]:
                 continue
             label = base_impl if base_case == case else f"{base_impl} ({base_case})"
             rows.append((case, impl, label, _seconds(baseline) / _seconds(bench)))
+            base_calls = baseline.extra_info.get("per_call", {})
+            for method, seconds in bench.extra_info.get("per_call", {}).items():
+                if method in base_calls and seconds > 0:
+                    row_case = f"{case}: `{method}` per call"
+                    rows.append((row_case, impl, label, base_calls[method] / seconds))
     return rows
 
 

@@ -16,7 +16,7 @@ def h(i: int) -> bytes:
 
 def admit(core: KVCacheCore, rid: str, hashes: list[bytes], num_tokens: int) -> list[int]:
     b = core.block_size
-    hits = core.lookup(hashes, (num_tokens - 1) // b)
+    hits = core.lookup(hashes, (num_tokens - 1) // b).block_ids
     new = core.allocate_slots(
         rid, hashes, num_tokens, 0, num_tokens - len(hits) * b, len(hits) * b, hits or None,
         0, False, True, 0, False,
@@ -41,19 +41,20 @@ def test_worked_trace() -> None:
     core.free("never-seen")
     assert len(core) == 0
     # A 48-token prompt hits only 2 blocks: the last token must be computed.
-    assert core.lookup(shared, (48 - 1) // 16) == [1, 2]
+    assert core.lookup(shared, (48 - 1) // 16).block_ids == [1, 2]
+    assert core.get_blocks("r0") is core.empty_kv_cache_blocks
     events = core.take_events()
     assert events[0] == ("stored", "r0", 0, 3)
     assert ("stored", "r1", 3, 3) not in events
     assert core.reset_prefix_cache()
     assert core.take_events() == [("cleared",)]
-    assert core.lookup(shared, 3) == []
+    assert core.lookup(shared, 3) is core.empty_kv_cache_blocks
 
 
 def test_bad_input_changes_nothing() -> None:
     core = KVCacheCore(8, 4, max_model_len=1024)
     admit(core, "a", [h(1)], 6)
-    state = (core.num_free_blocks, core.get_block_ids("a"), core.lookup([h(1)], 1))
+    state = (core.num_free_blocks, core.get_block_ids("a"), core.lookup([h(1)], 1).block_ids)
 
     def allocate(hashes: object, num_new: int = 8, hits: list[int] | None = None) -> object:
         return core.allocate_slots("b", hashes, 8, 0, num_new, 0, hits, 0, False, False, 0, False)
@@ -73,7 +74,11 @@ def test_bad_input_changes_nothing() -> None:
         core.allocate_slots("a", [h(1)], 8, 6, 2, 0, [1], 0, False, False, 0, False)
     with pytest.raises(ValueError):
         core.cache_blocks("a", [h(1), b"\x00" * 7], 8)
-    assert (core.num_free_blocks, core.get_block_ids("a"), core.lookup([h(1)], 1)) == state
+    assert (
+        core.num_free_blocks,
+        core.get_block_ids("a"),
+        core.lookup([h(1)], 1).block_ids,
+    ) == state
     assert core.get_block_ids("b") == []
     with pytest.raises(ValueError):
         KVCacheCore(0, 4, max_model_len=8)

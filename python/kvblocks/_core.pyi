@@ -14,6 +14,7 @@ __all__ = [
     "HASH_ALGORITHMS",
     "BlockHasher",
     "BlockManager",
+    "KVCacheBlockIds",
     "KVCacheCore",
     "KvBlocksError",
     "TokenSequence",
@@ -222,7 +223,10 @@ class KVCacheCore:
         enable_caching: bool = True,
         enable_events: bool = False,
         watermark_blocks: int = 0,
+        admitted_statuses: list[Any] = ...,
     ) -> KVCacheCore: ...
+    @property
+    def empty_kv_cache_blocks(self) -> KVCacheBlockIds: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -232,7 +236,7 @@ class KVCacheCore:
     @property
     def usage(self) -> float: ...
     def __len__(self) -> int: ...
-    def lookup(self, block_hashes: list[bytes], max_blocks: int, /) -> list[int]: ...
+    def lookup(self, block_hashes: list[bytes], max_blocks: int, /) -> KVCacheBlockIds: ...
     def allocate_slots(
         self,
         request_id: str,
@@ -249,13 +253,41 @@ class KVCacheCore:
         delay_cache_blocks: bool,
         /,
     ) -> list[int] | None: ...
+    def allocate_for_request(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlockIds | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Any = None,
+    ) -> KVCacheBlockIds | None: ...
     def cache_blocks(
         self, request_id: str, block_hashes: list[bytes], num_tokens: int, /
     ) -> None: ...
     def free(self, request_id: str, /) -> None: ...
     def get_block_ids(self, request_id: str, /) -> list[int]: ...
+    def get_blocks(self, request_id: str, /) -> KVCacheBlockIds: ...
     def estimate_cached_tokens(self, request_id: str, /) -> int: ...
     def reset_prefix_cache(self) -> bool: ...
     def take_events(
         self,
     ) -> list[tuple[str] | tuple[str, bytes] | tuple[str, str, int, int]]: ...
+
+@final
+class KVCacheBlockIds:
+    """Block ids of one KV-cache group, where vLLM's manager returns ``KVCacheBlocks``."""
+
+    def __new__(cls, block_ids: Iterable[int], /) -> KVCacheBlockIds: ...
+    @property
+    def block_ids(self) -> list[int]: ...
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Any = None
+    ) -> tuple[list[int]] | None: ...
+    def __len__(self) -> int: ...

@@ -214,3 +214,53 @@ def scripts(draw: st.DrawFn) -> Script:
 def test_random_scripts(model_dir: Path, script: Script) -> None:
     stock, ours = both(model_dir, script)
     assert_same(stock, ours)
+
+
+def test_zmq_event_stream_is_identical(model_dir: Path) -> None:
+    """vLLM's own ZMQ KV-event publisher (what KV-aware routers subscribe to), on loopback:
+    the batches a subscriber receives are the same with either manager."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+
+    spec = SchedulerSpec(block_size=4, num_blocks=40, max_num_batched_tokens=32, kv_events=True)
+    script = shared_prefix_script(spec, 16, seed=21)
+    script.requests.append(RequestSpec(script.requests[0].prompt, 3, 200))
+    script.resets = [199]
+    context = zmq.Context.instance()
+    received: dict[str, list[Any]] = {}
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    for impl in ("vllm", "kvblocks"):
+        subscriber = context.socket(zmq.SUB)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        port = subscriber.bind_to_random_port("tcp://127.0.0.1")
+        publisher = ZmqEventPublisher(0, endpoint=f"tcp://127.0.0.1:{port}", topic="kv")
+        try:
+            hello = subscriber.poll(100)  # let the connection settle before publishing
+            assert hello == 0
+            if impl == "kvblocks":
+                kvblocks.vllm.install("all")
+            scheduler = make_scheduler(model_dir, spec)
+            expected = KVCacheManager if impl == "kvblocks" else VllmKVCacheManager
+            assert type(scheduler.kv_cache_manager) is expected
+            hasher = block_hasher(spec.hash_algo, spec.block_size)
+            arrivals = [
+                (r.step, make_request(f"r{i}", r.prompt, hasher, max_tokens=r.max_tokens))
+                for i, r in enumerate(script.requests)
+            ]
+            run(scheduler, arrivals, resets=script.resets, publisher=publisher)
+            batches = []
+            while subscriber.poll(1000):
+                topic, _seq, payload = subscriber.recv_multipart()
+                assert topic == b"kv"
+                batch = decoder.decode(payload)
+                batches.append([(type(e).__name__, msgspec.to_builtins(e)) for e in batch.events])
+            received[impl] = batches
+        finally:
+            kvblocks.vllm.uninstall()
+            publisher.shutdown()
+            subscriber.close(linger=0)
+    assert len(received["vllm"]) > 10
+    flat = [event for batch in received["vllm"] for event in batch]
+    assert {event[0] for event in flat} >= {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+    assert received["kvblocks"] == received["vllm"]

@@ -6,7 +6,10 @@ counts, the free queue in eviction order, the hash-to-block map) and, per reques
 table and how many of its blocks are registered in the cache. The request's own state stays
 the request's: each call passes ``request.num_tokens``, ``request.num_computed_tokens`` and
 the list ``request.block_hashes`` itself, which Rust reads in place only where the call needs
-hashes. Block ids reach Python as int lists; no ``KVCacheBlock`` object is made.
+hashes. Block ids reach Python as int lists inside ``KVCacheBlockIds`` (what the scheduler
+gets where vLLM returns ``KVCacheBlocks``: it only calls ``get_block_ids``); no
+``KVCacheBlock`` object is made. ``allocate_slots``, the call vLLM makes for every running
+request at every step, goes straight to Rust, which reads the request's fields itself.
 
 Events and statistics are vLLM's own classes (``vllm.distributed.kv_events`` and
 ``vllm.v1.metrics.stats.PrefixCacheStats``), built the way vLLM's block pool builds them, so
@@ -31,31 +34,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvblocks._core import KVCacheCore
+from kvblocks._core import KVCacheBlockIds, KVCacheCore
 from kvblocks.vllm import _state
 
-_ADMITTED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _MEDIUM = "GPU"
-
-
-class KVCacheBlockIds:
-    """What vLLM's manager returns as ``KVCacheBlocks``: here only the block ids of one group,
-    which is all vLLM's scheduler reads (``get_block_ids``)."""
-
-    __slots__ = ("block_ids",)
-
-    def __init__(self, block_ids: list[int]) -> None:
-        self.block_ids = block_ids
-
-    def get_block_ids(
-        self, allow_none: bool = False, *, group_ids: Any = None
-    ) -> tuple[list[int], ...] | None:
-        if allow_none and not self.block_ids:
-            return None
-        return (list(self.block_ids),)
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlockIds({self.block_ids})"
 
 
 class _GroupManager:
@@ -134,7 +116,6 @@ class KVCacheManager:
         self.kv_cache_event_metadata = (
             (get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)),
         )
-        self.empty_kv_cache_blocks = self._empty = KVCacheBlockIds([])
         self._core = KVCacheCore(
             kv_cache_config.num_blocks,
             self.block_size,
@@ -142,8 +123,13 @@ class KVCacheManager:
             enable_caching=enable_caching,
             enable_events=enable_kv_cache_events,
             watermark_blocks=self.watermark_blocks,
+            admitted_statuses=[RequestStatus.WAITING, RequestStatus.PREEMPTED],
         )
+        self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
         self._events: list[KVCacheEvent] = []
+        if not enable_kv_cache_events:
+            # The hot path: vLLM's scheduler calls Rust directly (no Python frame here).
+            setattr(self, "allocate_slots", self._core.allocate_for_request)  # noqa: B010
 
     # -- what the scheduler calls every step -------------------------------------------------
 
@@ -158,14 +144,14 @@ class KVCacheManager:
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
         hits = self._core.lookup(request.block_hashes, max_cache_hit_length // self.block_size)
-        if not hits:
-            return self.empty_kv_cache_blocks, 0, 0
+        num_hits = len(hits)
         if (
-            self.enable_kv_cache_events
+            num_hits
+            and self.enable_kv_cache_events
             and getattr(request, "kv_cache_report_mode", "incremental") == "full"
         ):
-            self._events.append(self._stored_event(request, 0, len(hits), reused=True))
-        return KVCacheBlockIds(hits), len(hits) * self.block_size, 0
+            self._events.append(self._stored_event(request, 0, num_hits, reused=True))
+        return hits, num_hits * self.block_size, 0
 
     def allocate_slots(
         self,
@@ -182,36 +168,26 @@ class KVCacheManager:
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: Any = (),
     ) -> KVCacheBlockIds | None:
-        if num_external_computed_tokens or num_encoder_tokens:
-            raise ValueError(
-                "kvblocks' KVCacheManager has no KV connector or encoder cache "
-                "(external or encoder tokens)"
-            )
-        hits = None
-        if (
-            new_computed_blocks is not None
-            and new_computed_blocks is not self.empty_kv_cache_blocks
-        ):
-            hits = new_computed_blocks.block_ids
-        new = self._core.allocate_slots(
-            request.request_id,
-            request.block_hashes,
-            request.num_tokens,
-            request.num_computed_tokens,
+        """vLLM's ``allocate_slots``, with KV events: Rust allocates, then the events of the
+        call become vLLM's event objects. Without events the instance attribute set in
+        ``__init__`` sends vLLM's call to Rust directly."""
+        blocks: KVCacheBlockIds | None = self._core.allocate_for_request(
+            request,
             num_new_tokens,
             num_new_computed_tokens,
-            hits,
+            new_computed_blocks,
             num_lookahead_tokens,
-            has_scheduled_reqs and request.status in _ADMITTED,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
             full_sequence_must_fit,
             reserved_blocks,
-            delay_cache_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
         )
-        if new is None:
-            return None
-        if self.enable_kv_cache_events:
+        if blocks is not None:
             self._collect_events(request)
-        return KVCacheBlockIds(new) if new else self.empty_kv_cache_blocks
+        return blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         if self.enable_caching:
@@ -223,8 +199,7 @@ class KVCacheManager:
         self._core.free(request.request_id)
 
     def get_blocks(self, request_id: str) -> KVCacheBlockIds:
-        ids = self._core.get_block_ids(request_id)
-        return KVCacheBlockIds(ids) if ids else self.empty_kv_cache_blocks
+        return self._core.get_blocks(request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return (self._core.get_block_ids(request_id),)

@@ -283,20 +283,22 @@ def run(
     aborts: Iterable[tuple[int, str]] = (),
     resets: Iterable[int] = (),
     max_steps: int = 10_000,
+    publisher: Any = None,
 ) -> list[tuple[Any, ...]]:
     """Drives ``scheduler`` to the end of a script: requests arrive at their step, aborts
     and ``reset_prefix_cache()`` calls happen at theirs. Returns, per step, the step's
     :func:`snapshot`, the request outputs, the prefix-cache statistics, the KV events
     published and the reset result; then the requests' final block hashes. An
     ``AsyncScheduler`` gets each step's model output one step late, as under async
-    scheduling."""
+    scheduling. With ``publisher`` (e.g. vLLM's ZMQ publisher), KV events go there
+    instead of into the records."""
     from vllm.v1.request import RequestStatus
 
     pending = sorted(arrivals, key=lambda a: a[0])
     abort_at = sorted(aborts)
     reset_steps = set(resets)
     recorder = EventRecorder()
-    scheduler.kv_event_publisher = recorder
+    scheduler.kv_event_publisher = recorder if publisher is None else publisher
     model = FakeModel()
     lag = (
         1
@@ -390,8 +392,15 @@ class Timings:
         return self.arrival + self.schedule + self.update
 
 
-def _timed(function: Callable[..., Any], slot: list[float]) -> Callable[..., Any]:
+def _timed(
+    function: Callable[..., Any], slot: list[float], overhead: float | None = None
+) -> Callable[..., Any]:
+    """``function``, adding one call and the seconds it took to ``slot``, minus what the
+    wrapper itself adds inside its timed region (so that a cheap method is not charged for
+    the timer: see :func:`_timer_overhead`)."""
     clock = time.perf_counter
+    if overhead is None:
+        overhead = _timer_overhead()
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = clock()
@@ -399,26 +408,56 @@ def _timed(function: Callable[..., Any], slot: list[float]) -> Callable[..., Any
             return function(*args, **kwargs)
         finally:
             slot[0] += 1
-            slot[1] += clock() - start
+            slot[1] += clock() - start - overhead
 
     return wrapper
 
 
+_overhead: list[float] = []
+
+
+def _timer_overhead() -> float:
+    """The seconds a timed call of a no-op records, measured once: the clock call and the
+    argument forwarding that the wrapper adds to every timed call, with the call shape of
+    the scheduler's most frequent call (``allocate_slots(request, n, num_lookahead_tokens=0)``)."""
+    if not _overhead:
+
+        def noop(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        rounds = []
+        for _ in range(5):
+            slot = [0.0, 0.0]
+            timed = _timed(noop, slot, overhead=0.0)
+            target = object()
+            for _ in range(20_000):
+                timed(target, 1, num_lookahead_tokens=0)
+            rounds.append(slot[1] / slot[0])
+        _overhead.append(min(rounds))
+    return _overhead[0]
+
+
 def timed_run(
-    model_dir: Path, spec: SchedulerSpec, workload: Workload
+    model_dir: Path, spec: SchedulerSpec, workload: Workload, *, instrument: bool = False
 ) -> tuple[Timings, list[tuple[Any, ...]]]:
     """Adds every request of ``workload`` at once, then steps vLLM's scheduler to the end.
-    Returns the timings and each step's :func:`snapshot` (to check two runs are identical)."""
+    Returns the timings and each step's :func:`snapshot` (to check two runs are identical).
+
+    ``instrument`` also times every call of the request block hasher and of the KV-cache
+    manager's methods (``hashing``, ``manager``, ``manager_calls``); the timers slow the run
+    down, so compare totals of runs without them."""
     timings = Timings()
+    hasher = block_hasher(spec.hash_algo, spec.block_size)
     hasher_slot = [0.0, 0.0]
-    hasher = _timed(block_hasher(spec.hash_algo, spec.block_size), hasher_slot)
     scheduler = make_scheduler(model_dir, spec)
-    manager = scheduler.kv_cache_manager
-    for name in MANAGER_METHODS:
-        method = getattr(manager, name, None)
-        if method is not None:
-            slot = timings.manager_calls.setdefault(name, [0.0, 0.0])
-            setattr(manager, name, _timed(method, slot))
+    if instrument:
+        hasher = _timed(hasher, hasher_slot)
+        manager = scheduler.kv_cache_manager
+        for name in MANAGER_METHODS:
+            method = getattr(manager, name, None)
+            if method is not None:
+                slot = timings.manager_calls.setdefault(name, [0.0, 0.0])
+                setattr(manager, name, _timed(method, slot))
     prompts = workload.prompts()
     model = FakeModel()
     clock = time.perf_counter

@@ -240,7 +240,10 @@ impl KvCacheManager {
         };
 
         // Nothing has changed up to here; from now on the allocation succeeds.
-        let request = self.requests.entry(request_id.to_owned()).or_default();
+        if !self.requests.contains_key(request_id) {
+            self.requests.insert(request_id.to_owned(), RequestBlocks::default());
+        }
+        let Some(request) = self.requests.get_mut(request_id) else { return Ok(None) };
         if !hits.is_empty() {
             // check_hits: a first allocation with caching on.
             self.pool.touch(hits);

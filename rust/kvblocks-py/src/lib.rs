@@ -24,5 +24,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sequence::PyTokenSequence>()?;
     m.add_class::<manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKvCacheCore>()?;
+    m.add_class::<kv_cache::PyKvCacheBlockIds>()?;
     Ok(())
 }
