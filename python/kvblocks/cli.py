@@ -1,7 +1,9 @@
 """The ``kvblocks`` command line.
 
 ``kvblocks bench``  generates on the embedded tiny model with the Rust and the Python block
-                    manager and shows where the time goes (bookkeeping vs model).
+                    manager and shows where the time goes (bookkeeping vs model);
+                    ``--engine vllm`` runs vLLM 0.33's own scheduler with and without
+                    kvblocks instead (needs kvblocks[vllm]).
 ``kvblocks bench-hashing``  times block hashing, Rust against the pure-Python twin.
 ``kvblocks hash``   prints the chained block hashes of a JSON list of token ids.
 """
@@ -122,6 +124,15 @@ def _bar(label: str) -> Callable[[int, int], None]:
 
 
 def bench_engine(args: argparse.Namespace) -> int:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError:
+            print("--plot needs matplotlib: pip install 'kvblocks[plot]'", file=sys.stderr)
+            return 2
+    if args.engine == "vllm":
+        return bench_vllm(args)
+    _engine_defaults(args, num_requests=32, prefix_len=1024, suffix_len=64, hash_algo="sha256_cbor")
     try:
         from kvblocks.engine import LLM, SamplingParams
     except ModuleNotFoundError as e:  # torch is an optional extra
@@ -140,7 +151,7 @@ def bench_engine(args: argparse.Namespace) -> int:
             backend=backend,
             block_size=args.block_size,
             hash_algo=args.hash_algo,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs or 32,
             max_num_batched_tokens=4096,
         )
         start = time.perf_counter()
@@ -175,6 +186,110 @@ def bench_engine(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(rows, args.plot)
     return 0
+
+
+def _engine_defaults(args: argparse.Namespace, **defaults: Any) -> None:
+    """Fills the workload options the user left out with the engine's own defaults."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def bench_vllm(args: argparse.Namespace) -> int:
+    """Stock vLLM 0.33 against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU)."""
+    _engine_defaults(args, num_requests=256, prefix_len=1500, suffix_len=500, hash_algo="sha256")
+    if args.hash_algo not in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+        print(f"vLLM has no hash algorithm {args.hash_algo!r}", file=sys.stderr)
+        return 2
+    try:
+        from tqdm import tqdm
+
+        from kvblocks.vllm.bench import IMPLS, compare
+        from kvblocks.vllm.simulate import SchedulerSpec, Workload
+    except ModuleNotFoundError as e:
+        print(f"--engine vllm needs vllm: pip install 'kvblocks[vllm]' ({e})", file=sys.stderr)
+        return 2
+    workload = Workload(
+        num_requests=args.num_requests,
+        prompt_len=args.prefix_len + args.suffix_len,
+        shared_len=args.prefix_len,
+        output_len=args.output_len,
+    )
+    spec = SchedulerSpec(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        hash_algo=args.hash_algo,
+        max_num_seqs=args.max_num_seqs or args.num_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    with tqdm(total=len(IMPLS) * (args.rounds + 1), desc="vLLM scheduler", unit="run") as bar:
+        result = compare(workload, spec, rounds=args.rounds, progress=lambda impl: bar.update())
+    print(
+        f"\nkvblocks {kvblocks.__version__} in vLLM {_vllm_version()}: {args.num_requests} "
+        f"requests, {workload.prompt_len}-token prompts sharing {workload.shared_len}, "
+        f"{args.output_len} output tokens, block size {args.block_size}, {args.num_blocks} "
+        f"blocks, {args.hash_algo}; vLLM's V1 scheduler with a fake model on the CPU, median "
+        f"of {args.rounds} runs\n"
+    )
+    header = (
+        f"{'vLLM':<16} {'scheduler CPU':>13} {'steps':>6} {'hashing at arrival':>19} "
+        f"{'KV-cache manager':>17}"
+    )
+    print(header)
+    print("-" * len(header))
+    for impl, side in result.sides.items():
+        name = "stock" if impl == "vllm" else "with kvblocks"
+        print(
+            f"{name:<16} {side.timings.scheduler * 1e3:>11.0f}ms {side.timings.steps:>6} "
+            f"{side.hashing_share:>19.1%} {side.manager_share:>17.1%}"
+        )
+    stock, ours = result.sides["vllm"], result.sides["kvblocks"]
+    print(f"\nscheduler-side CPU time (arrival + schedule + update): {result.speedup:.1f}x lower")
+    for method in ("allocate_slots", "get_computed_blocks", "free"):
+        before, after = stock.per_call(method), ours.per_call(method)
+        if before and after and after > 0:
+            print(f"  {method:<22} {before * 1e6:7.2f} us -> {after * 1e6:6.2f} us per call")
+    print(
+        "scheduler outputs: "
+        + ("identical in every run" if result.identical else "DIFFERENT (please report)")
+    )
+    if args.plot:
+        _plot_vllm(result, args.plot)
+    return 0 if result.identical else 1
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+def _plot_vllm(result: Any, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, hashing, manager, rest = [], [], [], []
+    for impl, side in result.sides.items():
+        total = side.timings.scheduler * 1e3
+        names.append("stock vLLM" if impl == "vllm" else "vLLM + kvblocks")
+        hashing.append(total * side.hashing_share)
+        manager.append(total * side.manager_share)
+        rest.append(total * (1 - side.hashing_share - side.manager_share))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(names, rest, label="rest of the scheduler", color="#8fb3d9")
+    ax.bar(names, manager, bottom=rest, label="KV-cache manager", color="#d95f5f")
+    bottom = [r + m for r, m in zip(rest, manager, strict=True)]
+    ax.bar(names, hashing, bottom=bottom, label="block hashing at arrival", color="#f0b05a")
+    ax.set_ylabel("scheduler-side CPU time (ms)")
+    ax.set_title(f"vLLM scheduler: {result.speedup:.1f}x less CPU time with kvblocks")
+    ax.legend(
+        loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False, fontsize="small"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"plot written to {path}")
 
 
 def _plot(rows: list[Any], path: str) -> None:
@@ -222,14 +337,36 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "bench", help="generate on the embedded tiny model with both backends; time breakdown"
     )
-    e.add_argument("--num-requests", type=int, default=32)
-    e.add_argument("--prefix-len", type=int, default=1024, help="shared prompt prefix (tokens)")
-    e.add_argument("--suffix-len", type=int, default=64, help="each request's own prompt tokens")
+    e.add_argument(
+        "--engine",
+        choices=["kvblocks", "vllm"],
+        default="kvblocks",
+        help="kvblocks: kvblocks.LLM, Rust vs the Python twin (default); vllm: vLLM 0.33's "
+        "scheduler, stock vs with kvblocks (needs kvblocks[vllm])",
+    )
+    e.add_argument("--num-requests", type=int, help="default 32 (kvblocks), 256 (vllm)")
+    e.add_argument(
+        "--prefix-len", type=int, help="shared prompt prefix; default 1024 (kvblocks), 1500 (vllm)"
+    )
+    e.add_argument(
+        "--suffix-len",
+        type=int,
+        help="each request's own tokens; default 64 (kvblocks), 500 (vllm)",
+    )
     e.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
     e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--hash-algo", choices=kvblocks.HASH_ALGORITHMS, default="sha256_cbor")
+    e.add_argument(
+        "--hash-algo",
+        choices=kvblocks.HASH_ALGORITHMS,
+        help="default sha256_cbor (kvblocks), sha256 (vllm, its default)",
+    )
     e.add_argument("--backend", choices=["both", "rust", "python"], default="both")
-    e.add_argument("--max-num-seqs", type=int, default=32)
+    e.add_argument("--max-num-seqs", type=int, help="default 32 (kvblocks), all requests (vllm)")
+    e.add_argument("--num-blocks", type=int, default=8192, help="KV-cache blocks (vllm engine)")
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="token budget (vllm engine)"
+    )
+    e.add_argument("--rounds", type=int, default=3, help="timed runs per side (vllm engine)")
     e.add_argument("--plot", metavar="FILE.png", help="bar chart of the time breakdown")
     e.set_defaults(func=bench_engine)
 

@@ -184,3 +184,17 @@ def test_scheduler_run_identical_with_plugin(model_dir: Path, algo: str, num_blo
     assert dict(_state.fallbacks) == {}
     if num_blocks == 40:  # the small pool must have preempted someone
         assert any(step[0][5] for step in stock_run[:-1])
+
+
+def test_kvblocks_bench_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvblocks.cli import main
+
+    argv = ["bench", "--engine", "vllm", "--num-requests", "12", "--prefix-len", "40"]
+    argv += ["--suffix-len", "9", "--output-len", "5", "--rounds", "1", "--num-blocks", "256"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "stock" in out
+    assert "with kvblocks" in out
+    assert "scheduler outputs: identical in every run" in out
+    assert "allocate_slots" in out
+    assert kvblocks.vllm.status().mode == "off"  # the comparison leaves vLLM as it was

@@ -1,0 +1,87 @@
+"""``kvblocks bench --engine vllm``: vLLM 0.33's scheduler with and without kvblocks, same
+process, same workload, driven by a fake model on the CPU (see :mod:`kvblocks.vllm.simulate`).
+
+Each side runs ``rounds`` times without timers (the median is compared) and once more with a
+timer on every hasher and KV-cache-manager call (where the time goes). The scheduler outputs
+of every run must be identical, or the comparison reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import kvblocks.vllm
+from kvblocks.vllm.simulate import SchedulerSpec, Timings, Workload, timed_run, tiny_model_dir
+
+IMPLS = ("vllm", "kvblocks")
+
+
+@dataclass
+class Side:
+    """One implementation's results."""
+
+    timings: Timings  # the median run, without timers
+    parts: Timings  # the run with a timer on every hasher and manager call
+
+    @property
+    def hashing_share(self) -> float:
+        return self.parts.hashing / self.parts.scheduler
+
+    @property
+    def manager_share(self) -> float:
+        return self.parts.manager / self.parts.scheduler
+
+    def per_call(self, method: str) -> float | None:
+        calls, seconds = self.parts.manager_calls.get(method, (0.0, 0.0))
+        return seconds / calls if calls else None
+
+
+@dataclass
+class Comparison:
+    workload: Workload
+    spec: SchedulerSpec
+    sides: dict[str, Side]
+    identical: bool
+
+    @property
+    def speedup(self) -> float:
+        """Stock vLLM's scheduler-side CPU time over kvblocks'."""
+        return self.sides["vllm"].timings.scheduler / self.sides["kvblocks"].timings.scheduler
+
+
+def compare(
+    workload: Workload,
+    spec: SchedulerSpec,
+    *,
+    rounds: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> Comparison:
+    """Runs ``workload`` on vLLM's scheduler with stock vLLM and with kvblocks."""
+    model_dir = tiny_model_dir()
+    sides: dict[str, Side] = {}
+    snapshots: list[Any] = []
+    try:
+        for impl in IMPLS:
+            if impl == "kvblocks":
+                kvblocks.vllm.install("all")
+            else:
+                kvblocks.vllm.uninstall()
+            runs = []
+            for _ in range(rounds):
+                runs.append(timed_run(model_dir, spec, workload))
+                if progress is not None:
+                    progress(impl)
+            runs.sort(key=lambda run: run[0].scheduler)
+            timings, _ = runs[len(runs) // 2]
+            snapshots += [s for _, s in runs]
+            parts, instrumented = timed_run(model_dir, spec, workload, instrument=True)
+            snapshots.append(instrumented)
+            if progress is not None:
+                progress(impl)
+            sides[impl] = Side(timings, parts)
+    finally:
+        kvblocks.vllm.uninstall()
+    identical = all(s == snapshots[0] for s in snapshots)
+    return Comparison(workload, spec, sides, identical)
