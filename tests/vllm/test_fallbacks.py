@@ -228,3 +228,13 @@ def test_hasher_mode_leaves_the_manager_alone(model_dir: Path) -> None:
     sched = make_scheduler(model_dir, SchedulerSpec())
     assert type(sched.kv_cache_manager) is VllmKVCacheManager
     assert "kv_cache_manager" not in kvblocks.vllm.status().active
+
+
+def test_an_error_building_kvblocks_manager_falls_back(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(scheduler, "KVCacheManager", broken)
+    assert fell_back(decide(model_dir), "guard_error")

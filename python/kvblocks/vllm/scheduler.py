@@ -70,10 +70,15 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
             )
     except Exception:  # an unexpected config shape: never break vLLM's start-up
         reason = "guard_error"
+    if reason is None:
+        try:
+            manager = KVCacheManager(**kwargs)
+        except Exception as error:  # a bug of ours must not stop vLLM: use vLLM's manager
+            _state.logger().warning("kvblocks: could not build its KV-cache manager: %s", error)
+            reason = "guard_error"
     if reason is not None:
         _state.fall_back("kv_cache_manager", reason)
         return _vllm_manager_class()(**kwargs)
-    manager = KVCacheManager(**kwargs)
     caching = "prefix caching on" if manager.enable_caching else "prefix caching off"
     _state.activate("kv_cache_manager", f"{manager.block_size}-token blocks, {caching}")
     return manager

@@ -208,14 +208,19 @@ class FakeModel:
             index = self._num_sampled.get(req_id, 0)
             self._num_sampled[req_id] = index + 1
             sampled.append([sampled_token(req_id, index)])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
+        return model_output(req_ids, sampled)
+
+
+def model_output(req_ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
+    """A model runner's output: ``sampled[i]`` is what request ``req_ids[i]`` sampled."""
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
 
 
 class EventRecorder:
