@@ -11,15 +11,25 @@ appends of one token at a time up to 4k tokens. Variants:
   including the same input checks);
 - ``vllm-loop`` (where noted): the twin's bare chain loop, i.e. vLLM's own per-block work
   (tuple, serialize, digest) with no input checks: the conservative baseline.
+
+And the floor under each 32k-token figure, measured in the same run (``test_floor``): the
+digest alone over each block's exact serialized bytes (``digest-each``, a tight Rust loop),
+the digest over all blocks' bytes as one buffer (``one-buffer``), XXH3-128 over the raw
+uint32 tokens in one call, and converting the Python list to uint32 with CPython's own
+``array.array``. The summary divides kvblocks' time by its floor: the per-block digest from
+an array, the list conversion plus the per-block digest from a list.
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 
 import kvblocks
 import kvblocks.reference as ref
@@ -27,6 +37,7 @@ from kvblocks.reference.hashing import BlockChain, RequestKeys
 from kvblocks.workloads import random_prompt
 
 SIZES = [1024, 8192, 32768]
+FLOOR_SIZE = 32768
 SEED = "bench"
 
 
@@ -51,17 +62,22 @@ def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> N
     rust_baselines = ["twin", "vllm-loop"]
     if algo == "xxh3_128":  # the fast mode against vLLM's default-portable algorithm
         rust_baselines.append(f"twin::hash {num_tokens // 1024}k tokens, sha256_cbor")
+    floor = f"floor, {num_tokens // 1024}k tokens"
+    if num_tokens == FLOOR_SIZE and impl.startswith("rust"):
+        digest = [f"{floor}, {algo}", "digest-each"]
+        from_list = [[floor, "list-to-uint32"], digest]
+        benchmark.extra_info["floors"] = from_list if impl == "rust" else [digest]
     if impl == "rust":
         hasher = kvblocks.BlockHasher(algo, seed=SEED)
         _run(benchmark, case, impl, lambda: hasher.hash_blocks(tokens), rust_baselines)
     elif impl == "rust-numpy":
         hasher = kvblocks.BlockHasher(algo, seed=SEED)
-        array = np.array(tokens, dtype=np.uint32)
-        _run(benchmark, case, impl, lambda: hasher.hash_blocks(array), rust_baselines)
+        uint32 = np.array(tokens, dtype=np.uint32)
+        _run(benchmark, case, impl, lambda: hasher.hash_blocks(uint32), rust_baselines)
     elif impl == "rust-numpy-array":
         hasher = kvblocks.BlockHasher(algo, seed=SEED)
-        array = np.array(tokens, dtype=np.uint32)
-        _run(benchmark, case, impl, lambda: hasher.hash_blocks_array(array), rust_baselines)
+        uint32 = np.array(tokens, dtype=np.uint32)
+        _run(benchmark, case, impl, lambda: hasher.hash_blocks_array(uint32), rust_baselines)
     elif impl == "twin":
         twin = ref.BlockHasher(algo, seed=SEED)
         _run(benchmark, case, impl, lambda: twin.hash_blocks(tokens), [])
@@ -94,3 +110,45 @@ def test_twin_and_rust_agree_on_the_benchmark_workload() -> None:
     for algo in kvblocks.HASH_ALGORITHMS:
         expected = ref.BlockHasher(algo, seed=SEED).hash_blocks(tokens)
         assert kvblocks.BlockHasher(algo, seed=SEED).hash_blocks(np.array(tokens)) == expected
+
+
+@pytest.mark.parametrize("impl", ["digest-each", "one-buffer"])
+@pytest.mark.parametrize("algo", kvblocks.HASH_ALGORITHMS)
+def test_floor(benchmark: Any, impl: str, algo: str) -> None:
+    """What hashing 32k tokens cannot go below: the digest of each block's exact bytes
+    (serialized beforehand, digested in a tight Rust loop), and of all of them as one buffer."""
+    hasher = kvblocks.BlockHasher(algo, seed=SEED)
+    tokens = random_prompt(FLOOR_SIZE)
+    data, ends = hasher._serialized_blocks(tokens)
+    assert len(ends) == FLOOR_SIZE // 16
+    case = f"floor, {FLOOR_SIZE // 1024}k tokens, {algo}"
+    if impl == "digest-each":
+        _run(benchmark, case, impl, lambda: hasher._digest_each(data, ends), [])
+    else:
+        digest = hashlib.sha256 if hasher.digest_size == 32 else xxhash.xxh3_128
+        _run(benchmark, case, impl, lambda: digest(data).digest(), [])
+
+
+@pytest.mark.parametrize("impl", ["list-to-uint32", "xxh3-raw-tokens"])
+def test_token_floor(benchmark: Any, impl: str) -> None:
+    """Reading 32k Python ints (CPython's own C loop) and XXH3-128 over the raw tokens."""
+    tokens = random_prompt(FLOOR_SIZE)
+    case = f"floor, {FLOOR_SIZE // 1024}k tokens"
+    if impl == "list-to-uint32":
+        _run(benchmark, case, impl, lambda: array.array("I", tokens), [])
+    else:
+        raw = np.array(tokens, dtype=np.uint32).tobytes()
+        _run(benchmark, case, impl, lambda: xxhash.xxh3_128_digest(raw), [])
+
+
+def test_serialized_blocks_are_what_is_hashed() -> None:
+    """The floor's bytes are the real ones: digesting them gives the hashes themselves."""
+    tokens = random_prompt(1024)
+    for algo in kvblocks.HASH_ALGORITHMS:
+        hasher = kvblocks.BlockHasher(algo, seed=SEED)
+        data, ends = hasher._serialized_blocks(tokens)
+        digest = hashlib.sha256 if hasher.digest_size == 32 else xxhash.xxh3_128
+        starts = [0, *ends[:-1]]
+        expected = hasher.hash_blocks(tokens)
+        assert [digest(data[a:b]).digest() for a, b in zip(starts, ends, strict=True)] == expected
+        assert hasher._digest_each(data, ends) == len(expected)

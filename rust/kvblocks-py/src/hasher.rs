@@ -5,7 +5,7 @@ use crate::errors::to_py;
 use crate::keys::{extract_extra_keys, request_keys};
 use crate::tokens::{extract_token_ids, extract_token_ids_from};
 use kvblocks_core::{resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo};
-use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray2};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -188,8 +188,34 @@ impl PyBlockHasher {
         let hashes =
             self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features)?;
         let width = self.inner.algo().digest_size();
-        let flat: Vec<u8> = hashes.iter().flat_map(|h| h.as_bytes().iter().copied()).collect();
-        PyArray1::from_vec(py, flat).reshape([hashes.len(), width])
+        let mut flat = Vec::with_capacity(hashes.len() * width);
+        for hash in &hashes {
+            flat.extend_from_slice(hash.as_bytes());
+        }
+        let table = numpy::ndarray::Array2::from_shape_vec((hashes.len(), width), flat)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(table.into_pyarray(py))
+    }
+
+    /// Benchmark support: the bytes `hash_blocks` would digest for each full block of
+    /// `token_ids` (no extra keys), concatenated, and where each block's bytes end.
+    #[pyo3(signature = (token_ids, /))]
+    fn _serialized_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
+        let tokens = extract_token_ids(token_ids)?;
+        let (data, ends) = self.inner.serialized_blocks(tokens.as_slice(), &Default::default());
+        Ok((PyBytes::new(py, &data), ends))
+    }
+
+    /// Benchmark support: digests each range of `data` ending at `ends` (the floor under
+    /// hashing serialized blocks); returns how many were digested.
+    #[pyo3(signature = (data, ends, /))]
+    fn _digest_each(&self, py: Python<'_>, data: &[u8], ends: Vec<usize>) -> usize {
+        let inner = &self.inner;
+        py.detach(|| inner.digest_each(data, &ends).len())
     }
 
     fn __repr__(&self) -> String {

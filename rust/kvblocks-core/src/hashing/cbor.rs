@@ -30,16 +30,32 @@ fn head(out: &mut Vec<u8>, major: u8, value: u64) {
     }
 }
 
-/// `head(out, MAJOR_UINT, t)` for the hot loop: token ids are u32, so at most five bytes.
+/// A token's encoding packed little-endian into a word (first byte lowest), and its length.
 #[inline(always)]
-fn token(out: &mut Vec<u8>, t: u32) {
-    let be = t.to_be_bytes();
+fn packed_token(t: u32) -> (u64, usize) {
+    let t64 = u64::from(t);
     match t {
-        0..=23 => out.push(be[3]),
-        24..=0xff => out.extend_from_slice(&[24, be[3]]),
-        0x100..=0xffff => out.extend_from_slice(&[25, be[2], be[3]]),
-        _ => out.extend_from_slice(&[26, be[0], be[1], be[2], be[3]]),
+        0..=23 => (t64, 1),
+        24..=0xff => (24 | t64 << 8, 2),
+        0x100..=0xffff => (25 | u64::from((t as u16).swap_bytes()) << 8, 3),
+        _ => (26 | u64::from(t.swap_bytes()) << 8, 5),
     }
+}
+
+/// The tokens' encodings, written as whole words into a buffer sized for the longest form
+/// and cut to length once: no capacity check or length update per token.
+fn tokens_into(out: &mut Vec<u8>, tokens: &[u32]) {
+    let start = out.len();
+    out.resize(start + 5 * tokens.len() + 8, 0);
+    let mut at = start;
+    for &t in tokens {
+        let (word, n) = packed_token(t);
+        if let Some(dst) = out.get_mut(at..at + 8) {
+            dst.copy_from_slice(&word.to_le_bytes());
+        }
+        at += n;
+    }
+    out.truncate(at);
 }
 
 fn len(n: usize) -> u64 {
@@ -92,6 +108,24 @@ fn extra_key(out: &mut Vec<u8>, key: &ExtraKey<'_>) {
     }
 }
 
+/// The bytes of a block without extra keys up to its tokens, for a parent of `parent_len`
+/// bytes (written as zeros: the caller overwrites them per block) and `n` tokens. Returns
+/// where the parent's bytes start.
+pub(crate) fn plain_prefix(out: &mut Vec<u8>, parent_len: usize, n: usize) -> usize {
+    out.push(0x83);
+    head(out, MAJOR_BYTES, len(parent_len));
+    let at = out.len();
+    out.resize(at + parent_len, 0);
+    head(out, MAJOR_ARRAY, len(n));
+    at
+}
+
+/// The rest of a block without extra keys after [`plain_prefix`]: its tokens and `None`.
+pub(crate) fn plain_rest(out: &mut Vec<u8>, tokens: &[u32]) {
+    tokens_into(out, tokens);
+    out.push(NULL);
+}
+
 /// Encodes vLLM's block tuple `(parent, tuple(tokens), extra_keys)`.
 pub(crate) fn block(
     out: &mut Vec<u8>,
@@ -102,10 +136,7 @@ pub(crate) fn block(
     out.push(0x83);
     bytes(out, parent);
     head(out, MAJOR_ARRAY, len(tokens.len()));
-    out.reserve(5 * tokens.len() + 1);
-    for &t in tokens {
-        token(out, t);
-    }
+    tokens_into(out, tokens);
     match extra_keys {
         None => out.push(NULL),
         Some(keys) => {

@@ -251,8 +251,11 @@ impl BlockHasher {
         parent: Option<&[u8]>,
         keys: &RequestKeys,
     ) -> Vec<BlockHash> {
-        let mut chain = HashChain { blocks_done: first_block, ..HashChain::default() };
         let mut hashes: Vec<BlockHash> = Vec::with_capacity(tokens.len() / self.block_size);
+        if keys.is_empty() && self.hash_plain(tokens, parent, &mut hashes) {
+            return hashes;
+        }
+        let mut chain = HashChain { blocks_done: first_block, ..HashChain::default() };
         for block in tokens.chunks_exact(self.block_size) {
             let parent = hashes.last().map(BlockHash::as_bytes).or(parent);
             let hash = chain.next(self, parent, block, keys);
@@ -260,7 +263,79 @@ impl BlockHasher {
         }
         hashes
     }
+
+    /// The hot case of [`BlockHasher::hash_blocks_from`]: blocks without extra keys, in a
+    /// layout whose bytes before the tokens depend only on the parent's length (CBOR and the
+    /// native layout; pickle frames do not). That part is written once and only the parent's
+    /// bytes are overwritten per block. Returns false, having done nothing, where it does not
+    /// apply.
+    fn hash_plain(&self, tokens: &[u32], parent: Option<&[u8]>, out: &mut Vec<BlockHash>) -> bool {
+        let size = self.algo.digest_size();
+        let parent = match parent {
+            Some(p) if !p.is_empty() => p,
+            _ => self.none_hash.as_bytes(),
+        };
+        if parent.len() != size {
+            return false;
+        }
+        let mut buf = Vec::with_capacity(64 + size + 5 * self.block_size);
+        let (parent_at, rest): (usize, EncodeRest) = match self.algo {
+            HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor => {
+                (cbor::plain_prefix(&mut buf, size, self.block_size), cbor::plain_rest)
+            }
+            HashAlgo::Xxh3Native => {
+                (native::plain_prefix(&mut buf, size, self.block_size), native::plain_rest)
+            }
+            HashAlgo::Sha256Pickle | HashAlgo::XxhashPickle => return false,
+        };
+        let prefix_len = buf.len();
+        let mut previous = None;
+        for block in tokens.chunks_exact(self.block_size) {
+            buf.truncate(prefix_len);
+            let parent_bytes = previous.as_ref().map_or(parent, BlockHash::as_bytes);
+            if let Some(slot) = buf.get_mut(parent_at..parent_at + size) {
+                slot.copy_from_slice(parent_bytes);
+            }
+            rest(&mut buf, block);
+            let hash = self.algo.digest(&buf);
+            out.push(hash);
+            previous = Some(hash);
+        }
+        true
+    }
+
+    /// The bytes [`BlockHasher::hash_blocks`] digests for each full block, concatenated, and
+    /// where each block's bytes end: what a benchmark needs to time the digest alone.
+    pub fn serialized_blocks(&self, tokens: &[u32], keys: &RequestKeys) -> (Vec<u8>, Vec<usize>) {
+        let mut chain = HashChain::default();
+        let (mut data, mut ends) = (Vec::new(), Vec::new());
+        let mut parent: Option<BlockHash> = None;
+        for block in tokens.chunks_exact(self.block_size) {
+            let hash = chain.next(self, parent.as_ref().map(BlockHash::as_bytes), block, keys);
+            data.extend_from_slice(&chain.scratch);
+            ends.push(data.len());
+            parent = Some(hash);
+        }
+        (data, ends)
+    }
+
+    /// Digests each of the consecutive ranges of `data` that end at `ends`, with this
+    /// hasher's digest and nothing else: the floor under hashing already serialized blocks.
+    pub fn digest_each(&self, data: &[u8], ends: &[usize]) -> Vec<BlockHash> {
+        let mut start = 0;
+        let mut out = Vec::with_capacity(ends.len());
+        for &end in ends {
+            if let Some(bytes) = data.get(start..end) {
+                out.push(self.algo.digest(bytes));
+            }
+            start = end;
+        }
+        out
+    }
 }
+
+/// Appends a plain block's tokens and the rest of its bytes after its fixed prefix.
+type EncodeRest = fn(&mut Vec<u8>, &[u32]);
 
 /// The running state of an incremental chain: the multimodal cursor and a reusable
 /// serialization buffer.
@@ -374,6 +449,28 @@ mod tests {
                 let parent = first.checked_sub(1).and_then(|i| whole.get(i)).map(|p| p.as_bytes());
                 let tail = h.hash_blocks_from(&tokens[first * 4..], first, parent, &keys);
                 assert_eq!(tail, whole[first..], "{algo} from block {first}");
+            }
+        }
+    }
+
+    #[test]
+    fn plain_fast_path_equals_the_general_encoder() {
+        let tokens: Vec<u32> = (0..70).map(|i| i * 977 % 70_000).collect();
+        for algo in HASH_ALGORITHMS {
+            for block_size in [1, 3, 16, 30] {
+                let h = hasher(algo, block_size);
+                let size = h.algo().digest_size();
+                for parent in [None, Some(vec![7u8; size]), Some(vec![7u8; size + 1])] {
+                    let fast =
+                        h.hash_blocks_from(&tokens, 0, parent.as_deref(), &RequestKeys::default());
+                    let mut chain = HashChain::default();
+                    let mut general: Vec<BlockHash> = Vec::new();
+                    for block in tokens.chunks_exact(block_size) {
+                        let p = general.last().map(BlockHash::as_bytes).or(parent.as_deref());
+                        general.push(chain.next(&h, p, block, &RequestKeys::default()));
+                    }
+                    assert_eq!(fast, general, "{algo}, block size {block_size}, {parent:?}");
+                }
             }
         }
     }

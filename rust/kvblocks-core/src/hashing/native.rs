@@ -25,6 +25,33 @@ fn sized(out: &mut Vec<u8>, data: &[u8]) {
     out.extend_from_slice(data);
 }
 
+/// The bytes of a block without extra keys up to its tokens, for a parent of `parent_len`
+/// bytes (zeros, overwritten per block by the caller) and `n` tokens; returns where the
+/// parent's bytes start.
+pub(crate) fn plain_prefix(out: &mut Vec<u8>, parent_len: usize, n: usize) -> usize {
+    len(out, parent_len);
+    let at = out.len();
+    out.resize(at + parent_len, 0);
+    len(out, n);
+    at
+}
+
+/// The rest of a block without extra keys after [`plain_prefix`]: its tokens and `None`.
+pub(crate) fn plain_rest(out: &mut Vec<u8>, tokens: &[u32]) {
+    tokens_le(out, tokens);
+    out.push(0x00);
+}
+
+fn tokens_le(out: &mut Vec<u8>, tokens: &[u32]) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(tokens)); // already u32 little-endian
+    } else {
+        for &t in tokens {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+    }
+}
+
 pub(crate) fn block(
     out: &mut Vec<u8>,
     parent: &[u8],
@@ -34,13 +61,7 @@ pub(crate) fn block(
     out.reserve(17 + parent.len() + 4 * tokens.len());
     sized(out, parent);
     len(out, tokens.len());
-    if cfg!(target_endian = "little") {
-        out.extend_from_slice(bytemuck::cast_slice(tokens)); // already u32 little-endian
-    } else {
-        for &t in tokens {
-            out.extend_from_slice(&t.to_le_bytes());
-        }
-    }
+    tokens_le(out, tokens);
     keys(out, extra_keys);
 }
 

@@ -212,18 +212,25 @@ impl<'o, 'k> Pickler<'o, 'k> {
             }
             return;
         }
-        self.out.reserve(MAX_TOKEN_BYTES * tokens.len());
+        // Each token's opcode and argument as one little-endian word, written whole into a
+        // buffer sized for the longest form and cut to length once.
+        let start = self.out.len();
+        self.out.resize(start + MAX_TOKEN_BYTES * tokens.len() + 8, 0);
+        let mut at = start;
         for &t in tokens {
-            let le = t.to_le_bytes();
-            match t {
-                0..=0xff => self.out.extend_from_slice(&[BININT1, le[0]]),
-                0x100..=0xffff => self.out.extend_from_slice(&[BININT2, le[0], le[1]]),
-                0x1_0000..=0x7fff_ffff => {
-                    self.out.extend_from_slice(&[BININT, le[0], le[1], le[2], le[3]]);
-                }
-                _ => self.out.extend_from_slice(&[LONG1, 5, le[0], le[1], le[2], le[3], 0]),
+            let t64 = u64::from(t);
+            let (word, n) = match t {
+                0..=0xff => (u64::from(BININT1) | t64 << 8, 2),
+                0x100..=0xffff => (u64::from(BININT2) | t64 << 8, 3),
+                0x1_0000..=0x7fff_ffff => (u64::from(BININT) | t64 << 8, 5),
+                _ => (u64::from(LONG1) | 5 << 8 | t64 << 16, 7),
+            };
+            if let Some(dst) = self.out.get_mut(at..at + 8) {
+                dst.copy_from_slice(&word.to_le_bytes());
             }
+            at += n;
         }
+        self.out.truncate(at);
     }
 
     fn none(&mut self) {
