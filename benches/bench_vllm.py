@@ -3,6 +3,7 @@ the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
 
 - prompt hashing at request arrival: the request block hasher over 256 prompts of 2,000
   tokens, as ``EngineCore`` calls it when it builds each ``Request``;
+- one decode step's ``allocate_slots`` calls for 256 running requests, without timers;
 - the shared-prefix workload (256 requests, 2,000-token prompts sharing 1,500 tokens, 32
   output tokens, block size 16, 8,192 blocks): scheduler-side CPU time (request arrival +
   ``schedule()`` + ``update_from_output()``) and the shares of it spent hashing at arrival and
@@ -23,10 +24,12 @@ pytest.importorskip("vllm", reason="needs vllm (pip install 'kvblocks[vllm]')")
 
 import kvblocks.vllm
 from kvblocks.vllm.simulate import (
+    FakeModel,
     SchedulerSpec,
     Workload,
     block_hasher,
     make_request,
+    make_scheduler,
     timed_run,
     tiny_model_dir,
 )
@@ -119,3 +122,34 @@ def test_scheduler_cpu_time(benchmark: Any, installed: str, name: str) -> None:
         f"\n{case}, {installed}: {timings.steps} steps, scheduler-side CPU time "
         f"{timings.scheduler * 1e3:.0f} ms; " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
     )
+
+
+@pytest.mark.parametrize("installed", IMPLS, indirect=True)
+def test_decode_allocate_slots(benchmark: Any, installed: str) -> None:
+    """One decode step's ``allocate_slots`` calls (one new token for every running request),
+    made directly in a steady decode state, without the per-call timers of the runs above."""
+    spec = SchedulerSpec(
+        block_size=16, num_blocks=8192, max_num_seqs=256, max_num_batched_tokens=8192
+    )
+    scheduler = make_scheduler(tiny_model_dir(), spec)
+    hasher = block_hasher(spec.hash_algo, spec.block_size)
+    requests = [
+        make_request(f"r{i}", prompt, hasher, max_tokens=1000)
+        for i, prompt in enumerate(Workload().prompts())
+    ]
+    for request in requests:
+        scheduler.add_request(request)
+    model = FakeModel()
+    while any(r.num_output_tokens == 0 for r in requests):  # until every request decodes
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, model.execute(scheduler, out))
+    running = requests
+    allocate = scheduler.kv_cache_manager.allocate_slots
+
+    def step() -> None:
+        for request in running:
+            allocate(request, 1, num_lookahead_tokens=0)
+
+    case = "decode step: allocate_slots for 256 running requests"
+    _label(benchmark, case, installed)
+    benchmark(step)
