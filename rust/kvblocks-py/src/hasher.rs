@@ -5,7 +5,7 @@ use crate::errors::to_py;
 use crate::keys::{extract_extra_keys, request_keys};
 use crate::tokens::{extract_token_ids, extract_token_ids_from};
 use kvblocks_core::{resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo};
-use numpy::{IntoPyArray, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -198,24 +198,24 @@ impl PyBlockHasher {
     }
 
     /// Benchmark support: the bytes `hash_blocks` would digest for each full block of
-    /// `token_ids` (no extra keys), concatenated, and where each block's bytes end.
+    /// `token_ids` (no extra keys), concatenated, and where each block's bytes end (uint64).
     #[pyo3(signature = (token_ids, /))]
     fn _serialized_blocks<'py>(
         &self,
         py: Python<'py>,
         token_ids: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyArray1<u64>>)> {
         let tokens = extract_token_ids(token_ids)?;
         let (data, ends) = self.inner.serialized_blocks(tokens.as_slice(), &Default::default());
-        Ok((PyBytes::new(py, &data), ends))
+        Ok((PyBytes::new(py, &data), ends.into_pyarray(py)))
     }
 
-    /// Benchmark support: digests each range of `data` ending at `ends` (the floor under
-    /// hashing serialized blocks); returns how many were digested.
+    /// Benchmark support: digests each range of `data` ending at `ends` (a contiguous uint64
+    /// array, read in place), the floor under hashing serialized blocks; returns how many.
     #[pyo3(signature = (data, ends, /))]
-    fn _digest_each(&self, py: Python<'_>, data: &[u8], ends: Vec<usize>) -> usize {
-        let inner = &self.inner;
-        py.detach(|| inner.digest_each(data, &ends).len())
+    fn _digest_each(&self, data: &[u8], ends: PyReadonlyArray1<'_, u64>) -> PyResult<usize> {
+        let ends = ends.as_slice().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(self.inner.digest_each(data, ends))
     }
 
     fn __repr__(&self) -> String {
