@@ -15,7 +15,7 @@ fn best(mut f: impl FnMut()) -> f64 {
 }
 
 fn main() -> Result<(), kvblocks_core::CoreError> {
-    let tokens: Vec<u32> = (0..32768u32).map(|i| i.wrapping_mul(2_654_435_761) % 32_000).collect();
+    let tokens: Vec<u32> = (0..32768u32).map(|i| i.wrapping_mul(2_654_435_761) % 151_936).collect();
     for name in HASH_ALGORITHMS {
         let hasher = BlockHasher::new(HashAlgo::from_name(name)?, 16, "s".into())?;
         let keys = RequestKeys::default();
