@@ -40,7 +40,7 @@ def digest(algo: str, data: bytes) -> bytes:
 
 
 def oracle_block(algo: str, parent: bytes, tokens: list[int], extra: Any) -> bytes:
-    """vLLM's hash_block_tokens, written from vllm-semantics.md §1.3."""
+    """vLLM's hash_block_tokens, written from docs/semantics.md §1.3."""
     if algo == "xxh3_128":
         return xxhash.xxh3_128_digest(native_layout(parent, tokens, extra))
     return digest(algo, serialize(algo, (parent, tuple(tokens), extra)))

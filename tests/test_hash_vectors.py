@@ -23,7 +23,7 @@ ALL_ALGOS = (*VLLM_ALGOS, "xxh3_128")
 
 
 def test_published_none_hashes(impl: ModuleType) -> None:
-    published = {  # vllm-semantics.md §1.2, seed "vllm-none-hash"
+    published = {  # docs/semantics.md §1.2, seed "vllm-none-hash"
         "sha256": "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198",
         "sha256_cbor": "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0",
         "xxhash": "d98f72b9c430d985211489af307f0229",
@@ -34,7 +34,7 @@ def test_published_none_hashes(impl: ModuleType) -> None:
 
 
 def test_published_block_vectors(impl: ModuleType) -> None:
-    """vllm-semantics.md §1.8 and §1.9."""
+    """docs/semantics.md §1.8 and §1.9."""
     h = impl.BlockHasher("sha256_cbor", block_size=5, seed="vllm-none-hash")
     h0 = h.hash_block(None, [1, 2, 3, 300, 70000])
     assert h0.hex() == "64a2177cdc4ad13cf6ff4c78a138c067abc894a027eb7755378d1ce49db50e0d"
@@ -136,7 +136,7 @@ def test_extra_keys_match_the_oracle(impl: ModuleType, algo: str, extra: tuple[A
 
 
 def test_cbor_bytes_of_published_extra_keys() -> None:
-    """The oracle itself agrees with the bytes published in vllm-semantics.md §1.8."""
+    """The oracle itself agrees with the bytes published in docs/semantics.md §1.8."""
     published = {
         (("cache_salt", "salt1"),): "81826a63616368655f73616c74657361 6c7431",
         (("lora", "my-lora", "/path/a"),): "8183646c6f7261676d792d6c6f7261672f706174682f61",

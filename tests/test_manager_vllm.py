@@ -1,4 +1,4 @@
-"""vLLM 0.33's block-manager behaviours (vllm-semantics.md §3.9 and §5, single group), each run
+"""vLLM 0.33's block-manager behaviours (docs/semantics.md §3.9 and §5, single group), each run
 against the Rust manager and its pure-Python twin."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def free_queue(m: Any) -> list[int]:
 
 
 def test_worked_trace(impl: ModuleType) -> None:
-    """vllm-semantics.md §3.9, step by step."""
+    """docs/semantics.md §3.9, step by step."""
     m = impl.BlockManager(11, B, enable_events=True)
     assert m.num_free_blocks == 10  # block 0 is the null block
     # 1. R0 = 48 common tokens + 7: nothing cached yet.

@@ -909,7 +909,7 @@ mod tests {
 
     #[test]
     fn worked_trace_of_vllm_semantics() {
-        // vllm-semantics.md §3.9: N = 11, B = 16.
+        // docs/semantics.md §3.9: N = 11, B = 16.
         let mut m = manager(11, 16);
         let common: Vec<u32> = (1000..1048).collect();
         let with = |tail: std::ops::Range<u32>| [common.clone(), tail.collect()].concat();

@@ -164,7 +164,7 @@ mod tests {
 
     #[test]
     fn integers_use_the_shortest_form() {
-        // Published in vllm-semantics.md §1.8 (checked there against cbor2).
+        // Published in docs/semantics.md §1.8 (reproduced with cbor2 in the Python tests).
         let cases = [
             (0, "00"),
             (23, "17"),

@@ -338,7 +338,7 @@ mod tests {
 
     #[test]
     fn published_block_layout() {
-        // vllm-semantics.md §1.9, parent = the pickle NONE_HASH.
+        // docs/semantics.md §1.9, parent = the pickle NONE_HASH.
         let parent: Vec<u8> = (0..32).collect();
         let mut out = Vec::new();
         block(&mut out, &parent, &[1, 2, 3, 300, 70000], None);
