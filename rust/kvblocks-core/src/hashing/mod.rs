@@ -264,11 +264,10 @@ impl BlockHasher {
         hashes
     }
 
-    /// The hot case of [`BlockHasher::hash_blocks_from`]: blocks without extra keys, in a
-    /// layout whose bytes before the tokens depend only on the parent's length (CBOR and the
-    /// native layout; pickle frames do not). That part is written once and only the parent's
-    /// bytes are overwritten per block. Returns false, having done nothing, where it does not
-    /// apply.
+    /// The hot case of [`BlockHasher::hash_blocks_from`]: blocks without extra keys. Their
+    /// bytes before the tokens depend only on the parent's length (and, for pickle, a frame
+    /// length filled in per block), so that part is written once and only the parent's bytes
+    /// are overwritten per block. Returns false, having done nothing, where it does not apply.
     fn hash_plain(&self, tokens: &[u32], parent: Option<&[u8]>, out: &mut Vec<BlockHash>) -> bool {
         let size = self.algo.digest_size();
         let parent = match parent {
@@ -288,7 +287,12 @@ impl BlockHasher {
                 let at = native::plain_prefix(&mut buf, size, self.block_size);
                 self.chain_plain(tokens, parent, buf, at, native::plain_rest, out);
             }
-            HashAlgo::Sha256Pickle | HashAlgo::XxhashPickle => return false,
+            HashAlgo::Sha256Pickle | HashAlgo::XxhashPickle => {
+                let Some(at) = pickle::plain_prefix(&mut buf, size, self.block_size) else {
+                    return false;
+                };
+                self.chain_plain(tokens, parent, buf, at, pickle::plain_rest, out);
+            }
         }
         true
     }
@@ -466,7 +470,10 @@ mod tests {
 
     #[test]
     fn plain_fast_path_equals_the_general_encoder() {
-        let tokens: Vec<u32> = (0..70).map(|i| i * 977 % 70_000).collect();
+        // Every integer width of CBOR and pickle, including pickle's LONG1 above 2^31 - 1.
+        let widths = [0, 23, 24, 255, 256, 65_535, 65_536, 0x7fff_ffff, 0x8000_0000, u32::MAX];
+        let tokens: Vec<u32> =
+            (0..70).map(|i| widths.get(i % 10).copied().unwrap_or(0) ^ (i as u32 % 3)).collect();
         for algo in HASH_ALGORITHMS {
             for block_size in [1, 3, 16, 30] {
                 let h = hasher(algo, block_size);

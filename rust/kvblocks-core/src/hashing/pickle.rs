@@ -16,6 +16,8 @@ use super::keys::ExtraKey;
 const FRAME_SIZE_TARGET: usize = 64 * 1024;
 const FRAME_SIZE_MIN: usize = 4;
 const FRAME_HEADER_SIZE: usize = 9;
+/// The longest pickle integer of a token id: `LONG1`, a length byte and 5 bytes.
+const MAX_TOKEN_BYTES: usize = 7;
 
 const PROTO: u8 = 0x80;
 const FRAME: u8 = 0x95;
@@ -201,7 +203,6 @@ impl<'o, 'k> Pickler<'o, 'k> {
     /// The token ints of a tuple. When they cannot reach the frame size target, no frame can
     /// close among them, so they are written without the per-object frame check.
     fn tokens(&mut self, tokens: &[u32]) {
-        const MAX_TOKEN_BYTES: usize = 7; // LONG1 of a u32: opcode, length, 5 bytes
         let open_frame_len = match self.frame_start {
             Some(start) => self.out.len() - start - FRAME_HEADER_SIZE,
             None => FRAME_SIZE_TARGET, // no open frame: take the general path
@@ -212,25 +213,7 @@ impl<'o, 'k> Pickler<'o, 'k> {
             }
             return;
         }
-        // Each token's opcode and argument as one little-endian word, written whole into a
-        // buffer sized for the longest form and cut to length once.
-        let start = self.out.len();
-        self.out.resize(start + MAX_TOKEN_BYTES * tokens.len() + 8, 0);
-        let mut at = start;
-        for &t in tokens {
-            let t64 = u64::from(t);
-            let (word, n) = match t {
-                0..=0xff => (u64::from(BININT1) | t64 << 8, 2),
-                0x100..=0xffff => (u64::from(BININT2) | t64 << 8, 3),
-                0x1_0000..=0x7fff_ffff => (u64::from(BININT) | t64 << 8, 5),
-                _ => (u64::from(LONG1) | 5 << 8 | t64 << 16, 7),
-            };
-            if let Some(dst) = self.out.get_mut(at..at + 8) {
-                dst.copy_from_slice(&word.to_le_bytes());
-            }
-            at += n;
-        }
-        self.out.truncate(at);
+        ints(self.out, tokens);
     }
 
     fn none(&mut self) {
@@ -318,6 +301,59 @@ pub(crate) fn block<'k>(
     }
     p.close_tuple(3);
     p.finish();
+}
+
+/// Where a plain block's frame length sits: after `PROTO 5` and the `FRAME` opcode.
+const FRAME_LEN_AT: usize = 3;
+
+/// The bytes of a block without extra keys up to its tokens, for a parent of `parent_len`
+/// bytes (zeros, overwritten per block by the caller) and `n` tokens, with the frame length
+/// left for [`plain_rest`] to fill in; returns where the parent's bytes start. `None` where
+/// the layout is not this fixed one: tuples of up to 3 tokens use other opcodes, a parent of
+/// 256 bytes or more another header, and a block that may reach 64 KiB more frames.
+pub(crate) fn plain_prefix(out: &mut Vec<u8>, parent_len: usize, n: usize) -> Option<usize> {
+    let parent_len8 = u8::try_from(parent_len).ok()?;
+    if n <= 3 || FRAME_HEADER_SIZE + 16 + parent_len + 7 * n >= FRAME_SIZE_TARGET {
+        return None;
+    }
+    out.extend_from_slice(&[PROTO, 5, FRAME, 0, 0, 0, 0, 0, 0, 0, 0, SHORT_BINBYTES, parent_len8]);
+    let at = out.len();
+    out.resize(at + parent_len, 0);
+    out.extend_from_slice(&[MEMOIZE, MARK]);
+    Some(at)
+}
+
+/// The rest of a block without extra keys after [`plain_prefix`]: its tokens, the closing
+/// opcodes of `(parent, tokens, None)`, and the frame's length.
+pub(crate) fn plain_rest(out: &mut Vec<u8>, tokens: &[u32]) {
+    ints(out, tokens);
+    out.extend_from_slice(&[TUPLE, MEMOIZE, NONE, TUPLE1 + 2, MEMOIZE, STOP]);
+    let frame_len = (out.len() - FRAME_LEN_AT - 8) as u64;
+    if let Some(slot) = out.get_mut(FRAME_LEN_AT..FRAME_LEN_AT + 8) {
+        slot.copy_from_slice(&frame_len.to_le_bytes());
+    }
+}
+
+/// Token ids as pickle integers (`BININT1`, `BININT2`, `BININT` or `LONG1`), each written as
+/// one word into a buffer sized for the longest form and cut to length once.
+fn ints(out: &mut Vec<u8>, tokens: &[u32]) {
+    let start = out.len();
+    out.resize(start + MAX_TOKEN_BYTES * tokens.len() + 8, 0);
+    let mut at = start;
+    for &t in tokens {
+        let t64 = u64::from(t);
+        let (word, n) = match t {
+            0..=0xff => (u64::from(BININT1) | t64 << 8, 2),
+            0x100..=0xffff => (u64::from(BININT2) | t64 << 8, 3),
+            0x1_0000..=0x7fff_ffff => (u64::from(BININT) | t64 << 8, 5),
+            _ => (u64::from(LONG1) | 5 << 8 | t64 << 16, 7),
+        };
+        if let Some(dst) = out.get_mut(at..at + 8) {
+            dst.copy_from_slice(&word.to_le_bytes());
+        }
+        at += n;
+    }
+    out.truncate(at);
 }
 
 /// `pickle.dumps(s, protocol=5)` for a `str` (vLLM's NONE_HASH seed).
