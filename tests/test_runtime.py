@@ -22,20 +22,37 @@ DEVICES = ["cpu"] + (
 )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("groups", [1, 4])
-def test_paged_attention_matches_dense(device: str, block_size: int, groups: int) -> None:
+POISONS = {
+    "clean": None,
+    "nan": (float("nan"), float("nan")),
+    "inf": (float("inf"), float("-inf")),
+    "garbage": (1e30, -3e38),
+}
+
+
+def _attention_case(
+    device: str,
+    block_size: int,
+    groups: int,
+    poison: str,
+    shapes: list[tuple[int, int]] | None = None,
+) -> tuple[torch.Tensor, PagedKVCache, AttentionMetadata, torch.Tensor]:
+    """Four requests on scattered, shuffled blocks, with their dense reference outputs; every
+    slot that is not part of a request's context (the tail of its last block, unused blocks,
+    the null block 0 that pads the block table) is filled with ``POISONS[poison]``."""
     gen = torch.Generator().manual_seed(block_size * 10 + groups)
     kv_heads, head_dim = 2, 8
     heads = kv_heads * groups
     # (context length after the step, new tokens): prefixes ending mid-block and on a boundary,
-    # a pure prefill, a single decode token.
-    shapes = [(37, 5), (2 * block_size, block_size), (9, 9), (70, 1)]
+    # a pure prefill, a single decode token, a one-token context.
+    shapes = shapes or [(37, 5), (2 * block_size, block_size), (9, 9), (70, 1), (1, 1)]
     num_blocks = sum(-(-n // block_size) for n, _ in shapes) + 3
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1  # scattered, shuffled block ids
     cache = PagedKVCache(1, num_blocks, block_size, kv_heads, head_dim, device=device)
-    width = max(-(-n // block_size) for n, _ in shapes)
+    if POISONS[poison] is not None:
+        cache.key[0].fill_(POISONS[poison][0])
+        cache.value[0].fill_(POISONS[poison][1])
+    width = max(-(-n // block_size) for n, _ in shapes) + 1  # a padding column of block 0
     table = np.zeros((len(shapes), width), dtype=np.int32)
     seq_lens, starts, slots, queries, expected = [], [0], [], [], []
     used = 0
@@ -70,8 +87,125 @@ def test_paged_attention_matches_dense(device: str, block_size: int, groups: int
         np.array(slots, dtype=np.int32),
         device,
     )
-    out = paged_attention(torch.cat(queries).to(device), cache.key[0], cache.value[0], meta)
-    torch.testing.assert_close(out.cpu(), torch.cat(expected), atol=1e-5, rtol=1e-5)
+    return torch.cat(queries).to(device), cache, meta, torch.cat(expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_paged_attention_matches_dense(
+    device: str, block_size: int, groups: int, poison: str
+) -> None:
+    """Paged equals dense, and NaN, Inf or garbage in any slot outside a request's context
+    changes nothing."""
+    query, cache, meta, expected = _attention_case(device, block_size, groups, poison)
+    if poison != "clean":
+        assert not (cache.key[0][0] == 0).any()  # the poison is really there (block 0 too)
+    out = paged_attention(query, cache.key[0], cache.value[0], meta, backend="torch")
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_of_very_different_lengths(device: str) -> None:
+    """Decodes from 1 to 700 tokens of context (several length buckets) around prefill chunks
+    of 2 to 40 tokens, in an arbitrary order, on a poisoned cache: each equals dense."""
+    rng = np.random.default_rng(1)
+    decodes = [(int(n), 1) for n in rng.integers(1, 700, size=40)]
+    prefills = [(int(n), int(q)) for n, q in ((300, 40), (2, 2), (65, 17))]
+    shapes = decodes[:20] + prefills[:2] + decodes[20:] + prefills[2:]
+    query, cache, meta, expected = _attention_case(device, 16, 4, "nan", shapes)
+    plan = meta.plan(16)
+    assert len(plan.decode) > 1
+    assert len(plan.prefill) == 3
+    # Padding stays bounded: no bucket holds more than 4/3 of its requests' real contexts.
+    for bucket in plan.decode:
+        real = int(bucket.mask.sum()) if bucket.mask is not None else bucket.slots.numel()
+        assert bucket.slots.numel() <= 4 / 3 * real + 64 * len(bucket.slots)
+    out = paged_attention(query, cache.key[0], cache.value[0], meta, backend="torch")
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_nan_in_the_tail_of_the_last_block_is_never_read() -> None:
+    """The issue's reproduction: one decode token at context 21 over blocks [2, 3] of 16."""
+    cache = PagedKVCache(1, 8, 16, 2, 8)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 21, 2, 8, generator=gen)
+    slots = torch.tensor([2 * 16 + p if p < 16 else 3 * 16 + p - 16 for p in range(21)])
+    cache.write(0, k, v, slots)
+    cache.key[0][3, 5:] = float("nan")
+    cache.value[0][3, 5:] = float("nan")
+    cache.key[0][0] = float("nan")  # the null block too
+    meta = AttentionMetadata.from_arrays(
+        np.array([[2, 3]], dtype=np.int32),
+        np.array([21], dtype=np.int32),
+        np.array([0, 1], dtype=np.int32),
+        slots[-1:].numpy().astype(np.int32),
+    )
+    q = torch.randn(1, 4, 8, generator=gen)
+    out = paged_attention(q, cache.key[0], cache.value[0], meta)
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), kr.transpose(0, 1), vr.transpose(0, 1)
+    ).transpose(0, 1)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_backend_falls_back_to_torch_once_triton_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvblocks.runtime import attention, triton_attention
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(attention, "_TRITON_FAILURES", [])
+    monkeypatch.setattr(attention, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(triton_attention, "triton_paged_attention", broken)
+    query, cache, meta, expected = _attention_case("cpu", 16, 4, "nan")
+    with pytest.warns(RuntimeWarning, match="no kernel for this GPU"):
+        out = paged_attention(query, cache.key[0], cache.value[0], meta)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not attention._auto_triton(query)  # "auto" stays on torch from now on
+    with pytest.raises(RuntimeError, match="no kernel"):  # an explicit choice is not hidden
+        paged_attention(query, cache.key[0], cache.value[0], meta, backend="triton")
+
+
+def test_bad_attention_input_is_a_clear_error() -> None:
+    query, cache, meta, _ = _attention_case("cpu", 16, 1, "clean")
+    k, v = cache.key[0], cache.value[0]
+    with pytest.raises(ValueError, match="query tokens"):
+        paged_attention(query[:-1], k, v, meta)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(query[:, :1].expand(-1, 3, -1).contiguous(), k, v, meta)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention(query[..., :4], k, v, meta)
+    with pytest.raises(ValueError, match="backend"):
+        paged_attention(query, k, v, meta, backend="cudnn")
+    with pytest.raises(TypeError, match="floating"):
+        paged_attention(query.long(), k, v, meta)
+    with pytest.raises(ValueError, match="out of range"):
+        paged_attention(query, k[:2], v[:2], meta)
+    with pytest.raises(ValueError, match="columns"):
+        paged_attention(query, k.view(-1, 8, 2, 8), v.view(-1, 8, 2, 8), meta)
+    one = np.array([0], dtype=np.int32)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        AttentionMetadata.from_arrays(np.zeros((1, 1), np.int32), one + 3, one, one)
+    with pytest.raises(ValueError, match="slots"):
+        AttentionMetadata.from_arrays(
+            np.zeros((1, 1), np.int32), one + 3, np.array([0, 2], np.int32), one
+        )
+    with pytest.raises(ValueError, match="more new tokens"):
+        AttentionMetadata.from_arrays(
+            np.zeros((1, 1), np.int32), one + 1, np.array([0, 2], np.int32), np.zeros(2, np.int32)
+        )
+    with pytest.raises(TypeError, match="integers"):
+        AttentionMetadata.from_arrays(
+            np.zeros((1, 1), np.float32), one + 1, np.array([0, 1], np.int32), one
+        )
 
 
 def _config(**overrides: object) -> LlamaConfig:
@@ -162,6 +296,90 @@ def test_copy_on_write_branches_read_their_own_blocks(device: str) -> None:
         dense = model.forward_dense(torch.tensor(branches[h], device=device))
         torch.testing.assert_close(logits[row], dense[-1], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(logits[0], logits[1])
+
+
+def _save_hf_directory(directory: Path, model: LlamaForCausalLM) -> None:
+    """Writes ``model`` as a Llama Hugging Face directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_word_embeddings,
+    }
+    (directory / "config.json").write_text(json.dumps(raw))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if c.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file(state, str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cli_bench_with_a_local_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dtype: str
+) -> None:
+    from kvblocks.cli import main
+    from kvblocks.engine import LLM
+
+    _save_hf_directory(tmp_path, LlamaForCausalLM.random(_config(), seed=11))
+    args = ["bench", "--model", str(tmp_path), "--device", "cpu", "--dtype", dtype]
+    args += ["--num-requests", "2", "--prefix-len", "16", "--suffix-len", "3"]
+    code = main([*args, "--output-len", "2", "--block-size", "8", "--backend", "rust"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"model {tmp_path} on cpu, {dtype} KV cache" in out
+    assert "rust" in out
+    llm = LLM(tmp_path, dtype=getattr(torch, dtype), num_blocks=8, block_size=4)
+    assert llm.runner.cache.key[0].dtype == getattr(torch, dtype)  # the cache keeps the dtype
+    assert next(llm.model.parameters()).dtype == getattr(torch, dtype)
+    got = llm.generate([[1, 2, 3, 4, 5]])[0].outputs[0].token_ids
+    assert len(got) == 16
+    assert all(0 <= t < 97 for t in got)  # the model's own vocabulary, not the default 512
+
+
+def test_cli_bench_refuses_bad_model_device_and_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvblocks.cli import main
+
+    small = ["--num-requests", "1", "--prefix-len", "8", "--suffix-len", "1", "--output-len", "1"]
+    assert main(["bench", "--model", str(tmp_path), *small]) == 2  # no config.json
+    assert "config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert main(["bench", "--model", str(tmp_path), *small]) == 2
+    assert "config.json has no" in capsys.readouterr().err
+    assert main(["bench", "--device", "warp-drive", *small]) == 2
+    assert "not a torch device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--device", "cuda", *small]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+    assert main(["bench", "--engine", "vllm", "--dtype", "float16"]) == 2
+    assert "apply to --engine kvblocks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--dtype", "float64"])
+
+
+def test_engine_and_runner_refuse_bad_dtype_and_backend() -> None:
+    from kvblocks.engine import LLM
+
+    model = LlamaForCausalLM.random(_config(), seed=1)
+    with pytest.raises(TypeError, match="floating"):
+        LLM(model, dtype=torch.int32)
+    with pytest.raises(TypeError, match="floating"):
+        ModelRunner(model, 8, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="attention"):
+        ModelRunner(model, 8, 4, attention="flash")
+    with pytest.raises(ValueError, match="torch device"):
+        LLM(model, device="nowhere")
 
 
 @pytest.mark.parametrize("layout", ["transformers4", "transformers5"])

@@ -131,28 +131,47 @@ def bench_engine(args: argparse.Namespace) -> int:
             print("--plot needs matplotlib: pip install 'kvblocks[plot]'", file=sys.stderr)
             return 2
     if args.engine == "vllm":
+        if args.model or args.device or args.dtype:
+            print("--model, --device and --dtype apply to --engine kvblocks", file=sys.stderr)
+            return 2
         return bench_vllm(args)
     _engine_defaults(args, num_requests=32, prefix_len=1024, suffix_len=64, hash_algo="sha256_cbor")
     try:
-        from kvblocks.engine import LLM, SamplingParams
+        import torch
+
+        from kvblocks.engine import LLM, SamplingParams, parse_device
     except ModuleNotFoundError as e:  # torch is an optional extra
         print(f"kvblocks bench needs torch: pip install 'kvblocks[torch]' ({e})", file=sys.stderr)
         return 2
-    from kvblocks.model import LlamaConfig
+    from kvblocks.model import LlamaConfig, LlamaForCausalLM, load_pretrained
 
+    device = parse_device(args.device or "cpu")
+    dtype = getattr(torch, args.dtype or "float32")
+    model: LlamaForCausalLM | None = None
+    model_name = "embedded tiny model"
+    vocab_size = LlamaConfig().vocab_size
+    if args.model:
+        try:
+            model = load_pretrained(args.model, dtype=dtype, device=device)
+        except KeyError as e:
+            raise ValueError(f"{args.model}/config.json has no {e}") from e
+        model_name, vocab_size = f"model {args.model}", model.config.vocab_size
     prompts = shared_prefix_prompts(
-        args.num_requests, args.prefix_len, args.suffix_len, vocab_size=LlamaConfig().vocab_size
+        args.num_requests, args.prefix_len, args.suffix_len, vocab_size=vocab_size
     )
     params = SamplingParams(max_tokens=args.output_len)
     backends = ["rust", "python"] if args.backend == "both" else [args.backend]
     rows = []
     for backend in backends:
         llm = LLM(
+            model,
             backend=backend,
             block_size=args.block_size,
             hash_algo=args.hash_algo,
             max_num_seqs=args.max_num_seqs or 32,
             max_num_batched_tokens=4096,
+            device=device,
+            dtype=dtype,
         )
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, progress=_bar(backend))
@@ -163,7 +182,8 @@ def bench_engine(args: argparse.Namespace) -> int:
     print(
         f"\nkvblocks {kvblocks.__version__}: {args.num_requests} requests, {args.prefix_len}-token "
         f"shared prefix + {args.suffix_len} own tokens, {args.output_len} output tokens, "
-        f"block size {args.block_size}, {args.hash_algo}, embedded tiny model on the CPU\n"
+        f"block size {args.block_size}, {args.hash_algo}, {model_name} on {device}, "
+        f"{str(dtype).removeprefix('torch.')} KV cache\n"
     )
     header = (
         f"{'backend':<8} {'requests/s':>10} {'out tok/s':>10} {'prefix hits':>11} "
@@ -368,6 +388,18 @@ def parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--rounds", type=int, default=3, help="timed runs per side (vllm engine)")
     e.add_argument("--plot", metavar="FILE.png", help="bar chart of the time breakdown")
+    e.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local Hugging Face directory (config.json + *.safetensors; Llama, Qwen2, "
+        "Mistral) instead of the embedded tiny model (kvblocks engine)",
+    )
+    e.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
+    e.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        help="weights and KV cache dtype (default float32)",
+    )
     e.set_defaults(func=bench_engine)
 
     b = sub.add_parser("bench-hashing", help="time block hashing, Rust vs the pure-Python twin")

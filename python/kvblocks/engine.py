@@ -80,6 +80,17 @@ class _Request:
     samples: list[Sequence] = field(default_factory=list)
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``; an unknown or absent device is a ``ValueError``."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"not a torch device: {device!r}") from e
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    return parsed
+
+
 class LLM:
     def __init__(
         self,
@@ -89,7 +100,7 @@ class LLM:
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         backend: str = "rust",
-        device: str = "cpu",
+        device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         hash_algo: str = "sha256_cbor",
         max_num_seqs: int = 64,
@@ -98,11 +109,19 @@ class LLM:
     ) -> None:
         if backend not in ("rust", "python"):
             raise ValueError(f"backend must be 'rust' or 'python', got {backend!r}")
+        device = parse_device(device)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         if model is None:
             self.model = LlamaForCausalLM.random(
                 LlamaConfig(), seed=seed, dtype=dtype, device=device
             )
         elif isinstance(model, LlamaForCausalLM):
+            model_device = next(model.parameters()).device
+            if model_device.type != device.type or (
+                device.index is not None and model_device != device
+            ):
+                raise ValueError(f"the model is on {model_device}, the engine on {device}")
             self.model = model
         else:
             self.model = load_pretrained(model, dtype=dtype, device=device)

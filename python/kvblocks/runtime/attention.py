@@ -1,16 +1,71 @@
-"""Paged attention in portable torch: the K/V of each request is gathered through its block
-table (no Python loop over blocks or requests) and attended with a causal mask that covers
-any number of already-computed tokens."""
+"""Paged attention over kvblocks' block tables.
+
+A step's requests are split once (on the host, when the metadata is built) into
+
+- decode-like requests (one new token): sorted by context length into buckets whose lengths
+  differ by at most a quarter (or 64 tokens), each bucket gathered token by token through
+  its slots and attended by one batched ``scaled_dot_product_attention`` (no padding to the
+  longest request of the step: at most to the longest of the bucket);
+- prefill chunks (several new tokens): each chunk gathers its own context (``seq_len`` slots,
+  never more) and runs ``scaled_dot_product_attention`` with a causal mask offset by the
+  tokens already computed.
+
+Only the slots of a request's context are ever read, so whatever sits in the rest of the cache
+(the tail of a request's last block, other requests' blocks, the null block 0, NaN or Inf
+included) cannot change the result. On CUDA, when Triton is importable, the same work runs in
+the Triton kernels of :mod:`kvblocks.runtime.triton_attention`; this torch path is the
+fallback and the reference.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import importlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvblocks.step import ScheduledStep
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+#: A decode joins a bucket while its context is at least this share of the bucket's longest
+#: (or at most ``_BUCKET_SLACK`` tokens shorter): padding stays under a third of the real work.
+_BUCKET_RATIO = 0.75
+_BUCKET_SLACK = 64
+
+
+@dataclass(frozen=True)
+class DecodeBucket:
+    """Decodes of similar context lengths, attended together by one batched call."""
+
+    tokens: torch.Tensor  # [Rb]: the step index of each request's one new token
+    #: [Rb, Lb]: each request's context slots; past its own length, its first slot again (a
+    #: slot of its own context, masked out: nothing outside the context is ever read).
+    slots: torch.Tensor
+    mask: torch.Tensor | None  # [Rb, 1, 1, Lb] bool, None when all lengths are equal
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step's requests are attended, for one block size (built on the host once per
+    step and reused by every layer)."""
+
+    decode: list[DecodeBucket]
+    #: Prefill chunks: (first token, end token, context length, context slots [seq_len]).
+    prefill: list[tuple[int, int, int, torch.Tensor]]
+    max_num_blocks: int  # highest block id the step reads, plus one
+    #: The step index of every decode's one new token (all buckets, on the device).
+    decode_tokens: torch.Tensor
+    #: The request of each prefill chunk.
+    prefill_requests: list[int]
+    #: Per-step data other backends derive from the plan (the Triton path's query tiles).
+    extras: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -25,6 +80,11 @@ class AttentionMetadata:
     token_index: torch.Tensor  # [T]: its index among that request's new tokens
     positions: torch.Tensor  # [T]: its position in the sequence
     max_query_len: int
+    #: Host copies of ``block_table``, ``seq_lens`` and ``query_start_loc`` (for planning).
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
+    _plans: dict[int, StepPlan] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_arrays(
@@ -36,22 +96,62 @@ class AttentionMetadata:
         device: str | torch.device = "cpu",
     ) -> AttentionMetadata:
         """Wraps kvblocks' int32 arrays (``torch.from_numpy``, no copy) and moves them to the
-        device once."""
+        device once. Inconsistent arrays are a ``ValueError``."""
 
-        def tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
-            t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
-            return t.to(device=device, dtype=torch.long, non_blocking=True)
+        def host(a: np.ndarray | torch.Tensor, name: str) -> torch.Tensor:
+            if isinstance(a, np.ndarray):
+                if a.dtype.kind not in "iu":
+                    raise TypeError(f"{name} must hold integers, got {a.dtype}")
+                return torch.from_numpy(a).long()
+            if not isinstance(a, torch.Tensor):
+                raise TypeError(f"{name} must be a numpy array or a torch tensor")
+            if a.is_floating_point() or a.is_complex():
+                raise TypeError(f"{name} must hold integers, got {a.dtype}")
+            return a.detach().to("cpu", torch.long)
 
-        table, lens, starts, slots = map(
-            tensor, (block_table, seq_lens, query_start_loc, slot_mapping)
+        table, lens, starts, slots = (
+            host(block_table, "block_table"),
+            host(seq_lens, "seq_lens"),
+            host(query_start_loc, "query_start_loc"),
+            host(slot_mapping, "slot_mapping"),
         )
-        query_lens = starts[1:] - starts[:-1]
+        if table.dim() != 2 or lens.dim() != 1 or starts.dim() != 1 or slots.dim() != 1:
+            raise ValueError("block_table must be 2-D; seq_lens, query_start_loc, slots 1-D")
         num_reqs = len(lens)
-        token_request = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens)
-        token_index = torch.arange(len(slots), device=device) - starts[token_request]
+        if len(table) != num_reqs or len(starts) != num_reqs + 1:
+            raise ValueError(
+                f"{num_reqs} seq_lens need {num_reqs} block-table rows and {num_reqs + 1} "
+                f"query_start_loc entries, got {len(table)} and {len(starts)}"
+            )
+        query_lens = starts[1:] - starts[:-1]
+        if int(starts[0]) != 0 or bool((query_lens < 0).any()):
+            raise ValueError("query_start_loc must start at 0 and never decrease")
+        if int(starts[-1]) != len(slots):
+            raise ValueError(f"{int(starts[-1])} new tokens but {len(slots)} slots")
+        if bool((query_lens > lens).any()):
+            raise ValueError("a request has more new tokens than its context length")
+        if bool((table < 0).any()) or bool((slots < 0).any()):
+            raise ValueError("block ids and slots must be >= 0")
+
+        token_request = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
+        token_index = torch.arange(len(slots)) - starts[token_request]
         positions = (lens - query_lens)[token_request] + token_index
         max_query_len = int(query_lens.max()) if num_reqs else 0
-        return cls(table, lens, starts, slots, token_request, token_index, positions, max_query_len)
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, non_blocking=True)
+
+        return cls(
+            dev(table),
+            dev(lens),
+            dev(starts),
+            dev(slots),
+            dev(token_request),
+            dev(token_index),
+            dev(positions),
+            max_query_len,
+            host=(table, lens, starts),
+        )
 
     @classmethod
     def from_step(
@@ -61,6 +161,94 @@ class AttentionMetadata:
             step.block_table, step.seq_lens, step.query_start_loc, step.slot_mapping, device
         )
 
+    def plan(self, block_size: int) -> StepPlan:
+        """The step's split into decodes and prefill chunks for ``block_size`` (memoized)."""
+        cached = self._plans.get(block_size)
+        if cached is None:
+            cached = self._plans[block_size] = _make_plan(self, block_size)
+        return cached
+
+
+def _make_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
+    if meta.host is not None:
+        table, lens, starts = meta.host
+    else:
+        table, lens, starts = (
+            t.to("cpu", torch.long) for t in (meta.block_table, meta.seq_lens, meta.query_start_loc)
+        )
+    device = meta.block_table.device
+    query_lens = starts[1:] - starts[:-1]
+    needed = (lens + block_size - 1) // block_size
+    if len(lens) and int(needed.max()) > table.shape[1]:
+        raise ValueError(
+            f"a context of {int(lens.max())} tokens needs {int(needed.max())} blocks of "
+            f"{block_size}, but the block table has {table.shape[1]} columns"
+        )
+    max_block = -1
+    if len(lens):
+        cols = torch.arange(table.shape[1])[None, :] < needed[:, None]
+        if bool(cols.any()):
+            max_block = int(table[cols].max())
+
+    def context_slots(reqs: torch.Tensor, width: int) -> torch.Tensor:
+        """``[len(reqs), width]``: the slots of each request's context, padded past its own
+        length with its first slot."""
+        last = (lens[reqs] - 1).clamp(min=0)[:, None]
+        pos = torch.minimum(torch.arange(width)[None, :], last)
+        return table[reqs[:, None], pos // block_size] * block_size + pos % block_size
+
+    buckets = []
+    decodes = torch.nonzero(query_lens == 1).flatten()
+    decodes = decodes[torch.argsort(lens[decodes], descending=True, stable=True)]
+    decode_lens = lens[decodes].tolist()
+    first = 0
+    while first < len(decode_lens):
+        longest, end = decode_lens[first], first + 1
+        while end < len(decode_lens) and (
+            decode_lens[end] >= _BUCKET_RATIO * longest
+            or decode_lens[end] >= longest - _BUCKET_SLACK
+        ):
+            end += 1
+        group = decodes[first:end]
+        mask = None
+        if decode_lens[end - 1] != longest:
+            mask = (torch.arange(longest)[None, :] < lens[group][:, None])[:, None, None, :]
+            mask = mask.to(device)
+        slots = context_slots(group, longest).to(device)
+        buckets.append(DecodeBucket(starts[group].to(device), slots, mask))
+        first = end
+    prefill = []
+    for r in torch.nonzero(query_lens > 1).flatten().tolist():
+        length = int(lens[r])
+        slots = context_slots(torch.tensor([r]), length)[0]
+        prefill.append((int(starts[r]), int(starts[r + 1]), length, slots.to(device)))
+    return StepPlan(
+        decode=buckets,
+        prefill=prefill,
+        max_num_blocks=max_block + 1,
+        decode_tokens=starts[torch.nonzero(query_lens == 1).flatten()].to(device),
+        prefill_requests=torch.nonzero(query_lens > 1).flatten().tolist(),
+    )
+
+
+def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if not isinstance(query, torch.Tensor) or not isinstance(key_cache, torch.Tensor):
+        raise TypeError("query and the caches must be torch tensors")
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError(
+            "query must be [tokens, heads, head_dim] and the caches "
+            "[num_blocks, block_size, kv_heads, head_dim]"
+        )
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"key cache {tuple(key_cache.shape)} != value cache shape")
+    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    if query.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {key_cache.shape[3]}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if not query.is_floating_point():
+        raise TypeError(f"query must be floating point, got {query.dtype}")
+
 
 def paged_attention(
     query: torch.Tensor,
@@ -68,30 +256,121 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float | None = None,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention of the step's new tokens (``query``: ``[T, num_heads, head_dim]``) over each
-    request's cached and new K/V, read through the block table; returns ``[T, heads, dim]``."""
-    num_reqs, width = meta.block_table.shape
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_heads = query.shape[1]
-    # [R, W, B, Hkv, D] -> [R, W*B, Hkv, D]: every request's context, in position order.
-    keys = key_cache[meta.block_table].reshape(num_reqs, width * block_size, num_kv_heads, head_dim)
-    values = value_cache[meta.block_table].reshape(keys.shape)
-    if num_heads != num_kv_heads:
-        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=2)
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=2)
-    padded = query.new_zeros(num_reqs, meta.max_query_len, num_heads, head_dim)
-    padded[meta.token_request, meta.token_index] = query
-    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-    first = meta.seq_lens - query_lens  # position of each request's first new token
-    query_pos = first[:, None] + torch.arange(meta.max_query_len, device=query.device)[None, :]
-    key_pos = torch.arange(width * block_size, device=query.device)
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; never past the context
+    request's cached and new K/V, read through the block table; returns ``[T, heads, dim]`` in
+    the query's dtype. ``backend``: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA
+    when it is importable, else torch)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    _check(query, key_cache, value_cache)
+    if len(query) != len(meta.slot_mapping):
+        raise ValueError(f"{len(query)} query tokens for a step of {len(meta.slot_mapping)}")
+    num_blocks, block_size = key_cache.shape[:2]
+    plan = meta.plan(block_size)
+    if plan.max_num_blocks > num_blocks:
+        raise ValueError(f"block id {plan.max_num_blocks - 1} out of range ({num_blocks} blocks)")
+    scale = query.shape[2] ** -0.5 if scale is None else float(scale)
+    if backend == "triton" or (backend == "auto" and _auto_triton(query)):
+        from kvblocks.runtime import triton_attention
+
+        if backend == "triton":
+            return triton_attention.triton_paged_attention(
+                query, key_cache, value_cache, meta, plan, scale
+            )
+        try:
+            return triton_attention.triton_paged_attention(
+                query, key_cache, value_cache, meta, plan, scale
+            )
+        except Exception as e:  # a kernel that does not build here: the torch path works
+            _TRITON_FAILURES.append(repr(e))
+            warnings.warn(
+                f"the Triton paged-attention kernel failed ({e!r}); using the torch path "
+                "from now on in this process",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    out = query.new_empty(query.shape)
+    for bucket in plan.decode:
+        out[bucket.tokens] = _decode_attention(
+            query[bucket.tokens], key_cache, value_cache, bucket, scale
+        )
+    for first, end, length, slots in plan.prefill:
+        out[first:end] = _prefill_attention(
+            query[first:end], key_cache, value_cache, slots, length, scale
+        )
+    return out
+
+
+#: Failures of the Triton kernel under ``backend="auto"`` (after one, "auto" means torch).
+_TRITON_FAILURES: list[str] = []
+
+
+def _auto_triton(query: torch.Tensor) -> bool:
+    """Whether ``backend="auto"`` takes the Triton kernel for this query."""
+    return query.is_cuda and not _TRITON_FAILURES and triton_available()
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``triton`` imports (checked once per process)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    bucket: DecodeBucket,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per request over its context, padded only to the bucket's longest."""
+    heads, dim = query.shape[1:]
+    kv_heads = key_cache.shape[2]
+    index = bucket.slots.flatten()
+    shape = (*bucket.slots.shape, kv_heads, dim)
+    keys = key_cache.view(-1, kv_heads, dim).index_select(0, index).view(shape)
+    values = value_cache.view(-1, kv_heads, dim).index_select(0, index).view(shape)
     out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2),
+        query[:, :, None, :],
         keys.to(query.dtype).transpose(1, 2),
         values.to(query.dtype).transpose(1, 2),
-        attn_mask=mask[:, None],
+        attn_mask=bucket.mask,
         scale=scale,
+        enable_gqa=heads != kv_heads,
     )
-    return out.transpose(1, 2)[meta.token_request, meta.token_index]
+    return out[:, :, 0, :]
+
+
+def _prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    length: int,
+    scale: float,
+) -> torch.Tensor:
+    """A chunk of ``n`` new tokens at positions ``length - n ..`` over its own ``length``
+    context slots, causal."""
+    new, heads, dim = query.shape
+    kv_heads = key_cache.shape[2]
+    keys = key_cache.view(-1, kv_heads, dim).index_select(0, slots)
+    values = value_cache.view(-1, kv_heads, dim).index_select(0, slots)
+    keys, values = keys.to(query.dtype).transpose(0, 1), values.to(query.dtype).transpose(0, 1)
+    query_pos = torch.arange(length - new, length, device=query.device)
+    mask = torch.arange(length, device=query.device)[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1),
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=heads != kv_heads,
+    )
+    return out.transpose(0, 1)

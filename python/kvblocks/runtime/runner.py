@@ -7,7 +7,7 @@ import numpy.typing as npt
 import torch
 
 from kvblocks.model.llama import LlamaForCausalLM
-from kvblocks.runtime.attention import AttentionMetadata, paged_attention
+from kvblocks.runtime.attention import BACKENDS, AttentionMetadata, paged_attention
 from kvblocks.runtime.kv_cache import PagedKVCache
 from kvblocks.step import ScheduledStep
 
@@ -24,9 +24,19 @@ class ModelRunner:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        attention: str = "auto",
     ) -> None:
+        """``dtype``: the KV cache's (default: the model's); ``attention``: the backend of
+        :func:`paged_attention` (``"auto"``: Triton on CUDA when it imports, else torch)."""
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
+            raise TypeError(f"the KV cache dtype must be a floating-point dtype, got {dtype!r}")
+        if attention not in BACKENDS:
+            raise ValueError(f"attention must be one of {', '.join(BACKENDS)}, got {attention!r}")
         c = model.config
         self.model = model
+        self.attention = attention
         self.device = torch.device(device)
         self.cache = PagedKVCache(
             c.num_hidden_layers,
@@ -56,7 +66,9 @@ class ModelRunner:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(layer, k, v, meta.slot_mapping)
-            return paged_attention(q, cache.key[layer], cache.value[layer], meta)
+            return paged_attention(
+                q, cache.key[layer], cache.value[layer], meta, backend=self.attention
+            )
 
         hidden = self.model.hidden_states(ids, meta.positions, attend)
         return self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
