@@ -18,8 +18,8 @@ mod stats;
 pub(crate) use error::try_filled;
 pub use error::{CoreError, CoreResult};
 pub use hashing::{
-    resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, MmFeature, RequestKeys, DEFAULT_SEED,
-    HASH_ALGORITHMS,
+    resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable, MmFeature,
+    RequestKeys, DEFAULT_SEED, HASH_ALGORITHMS,
 };
 pub use kv_cache_manager::{AllocateArgs, HashSource, KvCacheConfig, KvCacheManager, ManagerEvent};
 pub use manager::{BlockManager, ManagerConfig, StepInput, StepOutput, StepPlan, StepResult};

@@ -4,7 +4,9 @@ use crate::args::{size_arg, str_arg};
 use crate::errors::to_py;
 use crate::keys::{extract_extra_keys, request_keys};
 use crate::tokens::{extract_token_ids, extract_token_ids_from};
-use kvblocks_core::{resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo};
+use kvblocks_core::{
+    resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable,
+};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -49,7 +51,7 @@ fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
 
 impl PyBlockHasher {
     /// The shared body of `hash_blocks` and `hash_blocks_array`: the full blocks of
-    /// `token_ids` from block `start_block` on, chained to `parent`.
+    /// `token_ids` from block `start_block` on, chained to `parent`, into `sink`.
     #[allow(clippy::too_many_arguments)]
     fn compute(
         &self,
@@ -60,7 +62,8 @@ impl PyBlockHasher {
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora: Option<&Bound<'_, PyAny>>,
         mm_features: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<BlockHash>> {
+        sink: &mut (impl HashSink + Send),
+    ) -> PyResult<()> {
         let parent = parent_arg(parent)?;
         let first_block = match start_block {
             Some(block) => size_arg(block, "start_block", 0)?,
@@ -74,14 +77,15 @@ impl PyBlockHasher {
         let keys = request_keys(cache_salt, lora, mm_features)?;
         let tokens = tokens.as_slice().get(offset..).unwrap_or_default();
         let parent = parent.as_ref().map(|p| p.as_bytes());
-        let hash = || hasher.hash_blocks_from(tokens, first_block, parent, &keys);
-        Ok(if tokens.len() >= DETACH_MIN_TOKENS {
+        let mut hash = || hasher.hash_blocks_into(tokens, first_block, parent, &keys, sink);
+        if tokens.len() >= DETACH_MIN_TOKENS {
             // The slice may borrow a numpy array in place: like hashlib reading a buffer
             // without the GIL, a concurrent writer to that array is the caller's race.
-            py.detach(hash)
+            py.detach(hash);
         } else {
-            hash()
-        })
+            hash();
+        }
+        Ok(())
     }
 }
 
@@ -163,8 +167,9 @@ impl PyBlockHasher {
         lora: Option<&Bound<'py, PyAny>>,
         mm_features: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let hashes =
-            self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features)?;
+        let mut hashes = Vec::new();
+        let sink = &mut hashes;
+        self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features, sink)?;
         hash_list(py, &hashes)
     }
 
@@ -185,14 +190,11 @@ impl PyBlockHasher {
         lora: Option<&Bound<'py, PyAny>>,
         mm_features: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<u8>>> {
-        let hashes =
-            self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features)?;
         let width = self.inner.algo().digest_size();
-        let mut flat = Vec::with_capacity(hashes.len() * width);
-        for hash in &hashes {
-            flat.extend_from_slice(hash.as_bytes());
-        }
-        let table = numpy::ndarray::Array2::from_shape_vec((hashes.len(), width), flat)
+        let mut sink = HashTable::with_capacity(0, width);
+        let args = (parent, start_block, cache_salt, lora, mm_features);
+        self.compute(py, token_ids, args.0, args.1, args.2, args.3, args.4, &mut sink)?;
+        let table = numpy::ndarray::Array2::from_shape_vec((sink.len(), width), sink.bytes)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(table.into_pyarray(py))
     }

@@ -42,20 +42,26 @@ fn packed_token(t: u32) -> (u64, usize) {
     }
 }
 
-/// The tokens' encodings, written as whole words into a buffer sized for the longest form
-/// and cut to length once: no capacity check or length update per token.
+/// The tokens' encodings, written as whole words into a buffer sized for the longest form and
+/// cut to length once: no capacity check or length update per token.
 fn tokens_into(out: &mut Vec<u8>, tokens: &[u32]) {
     let start = out.len();
     out.resize(start + 5 * tokens.len() + 8, 0);
-    let mut at = start;
+    let end = write_tokens(out, start, tokens);
+    out.truncate(end);
+}
+
+/// Writes the tokens' encodings into `buf` from `at` (room for 5 bytes a token, plus 8),
+/// one 8-byte word each; returns where they end.
+fn write_tokens(buf: &mut [u8], mut at: usize, tokens: &[u32]) -> usize {
     for &t in tokens {
         let (word, n) = packed_token(t);
-        if let Some(dst) = out.get_mut(at..at + 8) {
+        if let Some(dst) = buf.get_mut(at..at + 8) {
             dst.copy_from_slice(&word.to_le_bytes());
         }
         at += n;
     }
-    out.truncate(at);
+    at
 }
 
 fn len(n: usize) -> u64 {
@@ -120,10 +126,14 @@ pub(crate) fn plain_prefix(out: &mut Vec<u8>, parent_len: usize, n: usize) -> us
     at
 }
 
-/// The rest of a block without extra keys after [`plain_prefix`]: its tokens and `None`.
-pub(crate) fn plain_rest(out: &mut Vec<u8>, tokens: &[u32]) {
-    tokens_into(out, tokens);
-    out.push(NULL);
+/// The rest of a block without extra keys after [`plain_prefix`], written into `buf` from
+/// `at` (room for 5 bytes a token, plus 9): its tokens and `None`. Returns where it ends.
+pub(crate) fn plain_rest(buf: &mut [u8], at: usize, tokens: &[u32]) -> usize {
+    let end = write_tokens(buf, at, tokens);
+    if let Some(byte) = buf.get_mut(end) {
+        *byte = NULL;
+    }
+    end + 1
 }
 
 /// Encodes vLLM's block tuple `(parent, tuple(tokens), extra_keys)`.

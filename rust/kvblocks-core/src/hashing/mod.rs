@@ -251,30 +251,43 @@ impl BlockHasher {
         parent: Option<&[u8]>,
         keys: &RequestKeys,
     ) -> Vec<BlockHash> {
-        let mut hashes: Vec<BlockHash> = Vec::with_capacity(tokens.len() / self.block_size);
-        if keys.is_empty() && self.hash_plain(tokens, parent, &mut hashes) {
-            return hashes;
+        let mut hashes: Vec<BlockHash> = Vec::new();
+        self.hash_blocks_into(tokens, first_block, parent, keys, &mut hashes);
+        hashes
+    }
+
+    /// [`BlockHasher::hash_blocks_from`] into any [`HashSink`] (for instance one flat table
+    /// of digests, with no per-block value kept). `sink` must start empty.
+    pub fn hash_blocks_into(
+        &self,
+        tokens: &[u32],
+        first_block: usize,
+        parent: Option<&[u8]>,
+        keys: &RequestKeys,
+        sink: &mut impl HashSink,
+    ) {
+        sink.reserve(tokens.len() / self.block_size);
+        if keys.is_empty() && self.hash_plain(tokens, parent, sink) {
+            return;
         }
         let mut chain = HashChain { blocks_done: first_block, ..HashChain::default() };
         for block in tokens.chunks_exact(self.block_size) {
-            let parent = hashes.last().map(BlockHash::as_bytes).or(parent);
-            let hash = chain.next(self, parent, block, keys);
-            hashes.push(hash);
+            let hash = chain.next(self, sink.last_hash().or(parent), block, keys);
+            sink.push(&hash);
         }
-        hashes
     }
 
     /// The hot case of [`BlockHasher::hash_blocks_from`]: blocks without extra keys. Their
     /// bytes before the tokens depend only on the parent's length (and, for pickle, a frame
     /// length filled in per block), so that part is written once and only the parent's bytes
     /// are overwritten per block. Returns false, having done nothing, where it does not apply.
-    fn hash_plain(&self, tokens: &[u32], parent: Option<&[u8]>, out: &mut Vec<BlockHash>) -> bool {
+    fn hash_plain(&self, tokens: &[u32], parent: Option<&[u8]>, out: &mut impl HashSink) -> bool {
         let size = self.algo.digest_size();
         let parent = match parent {
             Some(p) if !p.is_empty() => p,
             _ => self.none_hash.as_bytes(),
         };
-        if parent.len() != size || !out.is_empty() {
+        if parent.len() != size || out.last_hash().is_some() {
             return false;
         }
         let mut buf = Vec::with_capacity(64 + size + 5 * self.block_size);
@@ -298,24 +311,26 @@ impl BlockHasher {
     }
 
     /// The loop of [`BlockHasher::hash_plain`], compiled once per layout (`rest` inlined).
+    /// The buffer keeps room for the longest block, so each block only overwrites its parent
+    /// and its tokens and digests the bytes up to where `rest` says they end.
     fn chain_plain(
         &self,
         tokens: &[u32],
         parent: &[u8],
         mut buf: Vec<u8>,
         parent_at: usize,
-        rest: impl Fn(&mut Vec<u8>, &[u32]),
-        out: &mut Vec<BlockHash>,
+        rest: impl Fn(&mut [u8], usize, &[u32]) -> usize,
+        out: &mut impl HashSink,
     ) {
         let prefix_len = buf.len();
+        buf.resize(prefix_len + 7 * self.block_size + 16, 0);
         for block in tokens.chunks_exact(self.block_size) {
-            buf.truncate(prefix_len);
-            let parent_bytes = out.last().map_or(parent, BlockHash::as_bytes);
+            let parent_bytes = out.last_hash().unwrap_or(parent);
             if let Some(slot) = buf.get_mut(parent_at..parent_at + parent_bytes.len()) {
                 slot.copy_from_slice(parent_bytes);
             }
-            rest(&mut buf, block);
-            out.push(self.algo.digest(&buf));
+            let end = rest(&mut buf, prefix_len, block);
+            out.push(&self.algo.digest(buf.get(..end).unwrap_or_default()));
         }
     }
 
@@ -349,6 +364,68 @@ impl BlockHasher {
             start = end;
         }
         count
+    }
+}
+
+/// Where a chain of block hashes goes, and where the next block finds its parent.
+pub trait HashSink {
+    /// Makes room for `num_hashes` more.
+    fn reserve(&mut self, num_hashes: usize);
+    fn push(&mut self, hash: &BlockHash);
+    /// The bytes of the last hash pushed, if any.
+    fn last_hash(&self) -> Option<&[u8]>;
+}
+
+impl HashSink for Vec<BlockHash> {
+    fn reserve(&mut self, num_hashes: usize) {
+        Vec::reserve(self, num_hashes);
+    }
+
+    fn push(&mut self, hash: &BlockHash) {
+        Vec::push(self, *hash);
+    }
+
+    fn last_hash(&self) -> Option<&[u8]> {
+        self.as_slice().last().map(BlockHash::as_bytes)
+    }
+}
+
+/// Block hashes as one table of bytes, `width` (the digest size) per hash.
+#[derive(Debug, Clone, Default)]
+pub struct HashTable {
+    pub bytes: Vec<u8>,
+    pub width: usize,
+}
+
+impl HashTable {
+    pub fn with_capacity(num_hashes: usize, width: usize) -> Self {
+        Self { bytes: Vec::with_capacity(num_hashes * width), width }
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len().checked_div(self.width).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+impl HashSink for HashTable {
+    fn reserve(&mut self, num_hashes: usize) {
+        self.bytes.reserve(num_hashes * self.width);
+    }
+
+    fn push(&mut self, hash: &BlockHash) {
+        self.bytes.extend_from_slice(hash.as_bytes());
+    }
+
+    fn last_hash(&self) -> Option<&[u8]> {
+        self.bytes
+            .len()
+            .checked_sub(self.width)
+            .and_then(|start| self.bytes.get(start..))
+            .filter(|last| !last.is_empty())
     }
 }
 

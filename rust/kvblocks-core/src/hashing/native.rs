@@ -36,10 +36,23 @@ pub(crate) fn plain_prefix(out: &mut Vec<u8>, parent_len: usize, n: usize) -> us
     at
 }
 
-/// The rest of a block without extra keys after [`plain_prefix`]: its tokens and `None`.
-pub(crate) fn plain_rest(out: &mut Vec<u8>, tokens: &[u32]) {
-    tokens_le(out, tokens);
-    out.push(0x00);
+/// The rest of a block without extra keys after [`plain_prefix`], written into `buf` from
+/// `at` (room for 4 bytes a token, plus 1): its tokens and `None`. Returns where it ends.
+pub(crate) fn plain_rest(buf: &mut [u8], at: usize, tokens: &[u32]) -> usize {
+    let end = at + 4 * tokens.len();
+    if let Some(dst) = buf.get_mut(at..end) {
+        if cfg!(target_endian = "little") {
+            dst.copy_from_slice(bytemuck::cast_slice(tokens)); // already u32 little-endian
+        } else {
+            for (chunk, &t) in dst.chunks_exact_mut(4).zip(tokens) {
+                chunk.copy_from_slice(&t.to_le_bytes());
+            }
+        }
+    }
+    if let Some(byte) = buf.get_mut(end) {
+        *byte = 0x00;
+    }
+    end + 1
 }
 
 fn tokens_le(out: &mut Vec<u8>, tokens: &[u32]) {

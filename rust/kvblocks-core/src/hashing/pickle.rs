@@ -323,23 +323,35 @@ pub(crate) fn plain_prefix(out: &mut Vec<u8>, parent_len: usize, n: usize) -> Op
     Some(at)
 }
 
-/// The rest of a block without extra keys after [`plain_prefix`]: its tokens, the closing
-/// opcodes of `(parent, tokens, None)`, and the frame's length.
-pub(crate) fn plain_rest(out: &mut Vec<u8>, tokens: &[u32]) {
-    ints(out, tokens);
-    out.extend_from_slice(&[TUPLE, MEMOIZE, NONE, TUPLE1 + 2, MEMOIZE, STOP]);
-    let frame_len = (out.len() - FRAME_LEN_AT - 8) as u64;
-    if let Some(slot) = out.get_mut(FRAME_LEN_AT..FRAME_LEN_AT + 8) {
+/// The rest of a block without extra keys after [`plain_prefix`], written into `buf` from
+/// `at` (room for 7 bytes a token, plus 14): its tokens, the closing opcodes of
+/// `(parent, tokens, None)`, and the frame's length. Returns where it ends.
+pub(crate) fn plain_rest(buf: &mut [u8], at: usize, tokens: &[u32]) -> usize {
+    const CLOSE: [u8; 6] = [TUPLE, MEMOIZE, NONE, TUPLE1 + 2, MEMOIZE, STOP];
+    let at = write_ints(buf, at, tokens);
+    if let Some(dst) = buf.get_mut(at..at + CLOSE.len()) {
+        dst.copy_from_slice(&CLOSE);
+    }
+    let end = at + CLOSE.len();
+    let frame_len = (end - FRAME_LEN_AT - 8) as u64;
+    if let Some(slot) = buf.get_mut(FRAME_LEN_AT..FRAME_LEN_AT + 8) {
         slot.copy_from_slice(&frame_len.to_le_bytes());
     }
+    end
 }
 
-/// Token ids as pickle integers (`BININT1`, `BININT2`, `BININT` or `LONG1`), each written as
-/// one word into a buffer sized for the longest form and cut to length once.
+/// Token ids as pickle integers (`BININT1`, `BININT2`, `BININT` or `LONG1`), written into a
+/// buffer sized for the longest form and cut to length once.
 fn ints(out: &mut Vec<u8>, tokens: &[u32]) {
     let start = out.len();
     out.resize(start + MAX_TOKEN_BYTES * tokens.len() + 8, 0);
-    let mut at = start;
+    let end = write_ints(out, start, tokens);
+    out.truncate(end);
+}
+
+/// Writes the tokens' pickle integers into `buf` from `at` (room for 7 bytes a token, plus
+/// 8), one 8-byte word each; returns where they end.
+fn write_ints(buf: &mut [u8], mut at: usize, tokens: &[u32]) -> usize {
     for &t in tokens {
         let t64 = u64::from(t);
         let (word, n) = match t {
@@ -348,12 +360,12 @@ fn ints(out: &mut Vec<u8>, tokens: &[u32]) {
             0x1_0000..=0x7fff_ffff => (u64::from(BININT) | t64 << 8, 5),
             _ => (u64::from(LONG1) | 5 << 8 | t64 << 16, 7),
         };
-        if let Some(dst) = out.get_mut(at..at + 8) {
+        if let Some(dst) = buf.get_mut(at..at + 8) {
             dst.copy_from_slice(&word.to_le_bytes());
         }
         at += n;
     }
-    out.truncate(at);
+    at
 }
 
 /// `pickle.dumps(s, protocol=5)` for a `str` (vLLM's NONE_HASH seed).
