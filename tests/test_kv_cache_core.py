@@ -1,63 +1,97 @@
 """``kvblocks._core.KVCacheCore``, the Rust engine under ``kvblocks.vllm.KVCacheManager``,
-through its Python surface: vLLM's worked trace, and bad input that changes nothing."""
+through its Python surface, with stand-in requests carrying the fields vLLM's ``Request``
+has: vLLM's worked trace, and bad input that changes nothing."""
 
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from kvblocks._core import KVCacheCore
+from kvblocks._core import KVCacheBlockIds, KVCacheCore
+
+WAITING, RUNNING = "waiting", "running"  # stand-ins for vLLM's RequestStatus members
 
 
 def h(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest()
 
 
-def admit(core: KVCacheCore, rid: str, hashes: list[bytes], num_tokens: int) -> list[int]:
-    b = core.block_size
-    hits = core.lookup(hashes, (num_tokens - 1) // b).block_ids
-    new = core.allocate_slots(
-        rid, hashes, num_tokens, 0, num_tokens - len(hits) * b, len(hits) * b, hits or None,
-        0, False, True, 0, False,
-    )  # fmt: skip
+def request(rid: str, hashes: list[Any], num_tokens: int, computed: int = 0) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        block_hashes=hashes,
+        num_tokens=num_tokens,
+        num_computed_tokens=computed,
+        status=WAITING,
+    )
+
+
+def core(num_blocks: int, block_size: int, **kwargs: Any) -> KVCacheCore:
+    return KVCacheCore(
+        num_blocks, block_size, max_model_len=4096, admitted_statuses=[WAITING], **kwargs
+    )
+
+
+def admit(c: KVCacheCore, rid: str, hashes: list[bytes], num_tokens: int) -> list[int]:
+    b = c.block_size
+    hits = c.lookup(hashes, (num_tokens - 1) // b)
+    new = c.allocate_for_request(
+        request(rid, hashes, num_tokens),
+        num_tokens - len(hits) * b,
+        num_new_computed_tokens=len(hits) * b,
+        new_computed_blocks=hits,
+        full_sequence_must_fit=True,
+    )
     assert new is not None
-    return core.get_block_ids(rid)
+    return c.get_block_ids(rid)
 
 
 def test_worked_trace() -> None:
-    """N = 11 blocks of 16 tokens: two requests share a 48-token prefix (vLLM 0.33's rules:
-    block 0 is the null block, hits are capped at num_tokens - 1, frees go tail first)."""
-    core = KVCacheCore(11, 16, max_model_len=4096, enable_events=True)
+    """N = 11 blocks of 16 tokens: two requests share a 48-token prefix (docs/semantics.md
+    §3.9: block 0 is the null block, hits are capped at num_tokens - 1, frees go tail first)."""
+    c = core(11, 16, enable_events=True)
     shared = [h(1), h(2), h(3)]
-    assert admit(core, "r0", shared, 55) == [1, 2, 3, 4]
-    assert admit(core, "r1", shared, 53) == [1, 2, 3, 5]
-    assert core.num_free_blocks == 5
-    assert core.usage == pytest.approx(0.5)
-    assert core.estimate_cached_tokens("r1") == 48
-    assert len(core) == 2
-    core.free("r0")
-    core.free("r1")
-    core.free("never-seen")
-    assert len(core) == 0
+    assert admit(c, "r0", shared, 55) == [1, 2, 3, 4]
+    assert admit(c, "r1", shared, 53) == [1, 2, 3, 5]
+    assert c.num_free_blocks == 5
+    assert c.usage == pytest.approx(0.5)
+    assert c.estimate_cached_tokens("r1") == 48
+    assert len(c) == 2
+    c.free("r0")
+    c.free("r1")
+    c.free("never-seen")
+    assert len(c) == 0
     # A 48-token prompt hits only 2 blocks: the last token must be computed.
-    assert core.lookup(shared, (48 - 1) // 16).block_ids == [1, 2]
-    assert core.get_blocks("r0") is core.empty_kv_cache_blocks
-    events = core.take_events()
+    assert c.lookup(shared, (48 - 1) // 16).block_ids == [1, 2]
+    assert c.get_blocks("r0") is c.empty_kv_cache_blocks
+    events = c.take_events()
     assert events[0] == ("stored", "r0", 0, 3)
     assert ("stored", "r1", 3, 3) not in events
-    assert core.reset_prefix_cache()
-    assert core.take_events() == [("cleared",)]
-    assert core.lookup(shared, 3) is core.empty_kv_cache_blocks
+    assert c.reset_prefix_cache()
+    assert c.take_events() == [("cleared",)]
+    assert c.lookup(shared, 3) is c.empty_kv_cache_blocks
+
+
+def test_watermark_applies_to_admitted_statuses_only() -> None:
+    c = core(6, 4, watermark_blocks=3)
+    waiting = request("a", [], 12)
+    assert c.allocate_for_request(waiting, 12) is None  # 3 blocks + 3 watermark > 5 free
+    assert c.allocate_for_request(waiting, 12, has_scheduled_reqs=False) is not None
+    running = request("b", [], 8)
+    running.status = RUNNING
+    assert c.allocate_for_request(running, 8) is not None  # 2 blocks, no watermark
 
 
 def test_bad_input_changes_nothing() -> None:
-    core = KVCacheCore(8, 4, max_model_len=1024)
-    admit(core, "a", [h(1)], 6)
-    state = (core.num_free_blocks, core.get_block_ids("a"), core.lookup([h(1)], 1).block_ids)
+    c = core(8, 4)
+    admit(c, "a", [h(1)], 6)
+    state = (c.num_free_blocks, c.get_block_ids("a"), c.lookup([h(1)], 1).block_ids)
 
-    def allocate(hashes: object, num_new: int = 8, hits: list[int] | None = None) -> object:
-        return core.allocate_slots("b", hashes, 8, 0, num_new, 0, hits, 0, False, False, 0, False)
+    def allocate(hashes: Any, num_new: int = 8, hits: Any = None) -> Any:
+        return c.allocate_for_request(request("b", hashes, 8), num_new, new_computed_blocks=hits)
 
     with pytest.raises(TypeError):
         allocate((h(1), h(2)))
@@ -69,17 +103,19 @@ def test_bad_input_changes_nothing() -> None:
         allocate([], num_new=0)
     for hits in ([0], [99], [3]):  # the null block, out of range, not cached
         with pytest.raises(ValueError):
-            allocate([h(1)], hits=hits)
+            allocate([h(1)], hits=KVCacheBlockIds(hits))
+    with pytest.raises(TypeError, match="get_computed_blocks"):
+        allocate([h(1)], hits=[1])
     with pytest.raises(ValueError, match="first allocation"):
-        core.allocate_slots("a", [h(1)], 8, 6, 2, 0, [1], 0, False, False, 0, False)
+        c.allocate_for_request(
+            request("a", [h(1)], 8, computed=6), 2, new_computed_blocks=KVCacheBlockIds([1])
+        )
+    with pytest.raises(ValueError, match="connector"):
+        c.allocate_for_request(request("b", [], 8), 4, num_external_computed_tokens=4)
     with pytest.raises(ValueError):
-        core.cache_blocks("a", [h(1), b"\x00" * 7], 8)
-    assert (
-        core.num_free_blocks,
-        core.get_block_ids("a"),
-        core.lookup([h(1)], 1).block_ids,
-    ) == state
-    assert core.get_block_ids("b") == []
+        c.cache_blocks("a", [h(1), b"\x00" * 7], 8)
+    assert (c.num_free_blocks, c.get_block_ids("a"), c.lookup([h(1)], 1).block_ids) == state
+    assert c.get_block_ids("b") == []
     with pytest.raises(ValueError):
         KVCacheCore(0, 4, max_model_len=8)
     with pytest.raises(ValueError):
@@ -87,8 +123,21 @@ def test_bad_input_changes_nothing() -> None:
 
 
 def test_refusal_when_full_changes_nothing() -> None:
-    core = KVCacheCore(4, 4, max_model_len=1024)
-    admit(core, "a", [], 9)  # 3 blocks: the pool is full
-    assert core.allocate_slots("b", [], 4, 0, 4, 0, None, 0, False, False, 0, False) is None
-    assert core.get_block_ids("b") == []
-    assert core.num_free_blocks == 0
+    c = core(4, 4)
+    admit(c, "a", [], 9)  # 3 blocks: the pool is full
+    assert c.allocate_for_request(request("b", [], 4), 4) is None
+    assert c.get_block_ids("b") == []
+    assert c.num_free_blocks == 0
+
+
+def test_block_ids_results() -> None:
+    ids = KVCacheBlockIds([3, 1, 2])
+    assert ids.get_block_ids() == ([3, 1, 2],)
+    assert ids.get_block_ids(allow_none=True) == ([3, 1, 2],)
+    assert KVCacheBlockIds([]).get_block_ids(allow_none=True) is None
+    assert KVCacheBlockIds([]).get_block_ids() == ([],)
+    assert len(ids) == 3
+    fresh = ids.get_block_ids()
+    assert fresh is not None
+    fresh[0].append(9)  # a fresh list each call, as vLLM's
+    assert ids.block_ids == [3, 1, 2]

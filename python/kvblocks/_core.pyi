@@ -241,22 +241,6 @@ class KVCacheCore:
     def usage(self) -> float: ...
     def __len__(self) -> int: ...
     def lookup(self, block_hashes: list[bytes], max_blocks: int, /) -> KVCacheBlockIds: ...
-    def allocate_slots(
-        self,
-        request_id: str,
-        block_hashes: list[bytes],
-        num_tokens: int,
-        num_computed_tokens: int,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: list[int] | None,
-        num_lookahead_tokens: int,
-        apply_watermark: bool,
-        full_sequence_must_fit: bool,
-        reserved_blocks: int,
-        delay_cache_blocks: bool,
-        /,
-    ) -> list[int] | None: ...
     def allocate_for_request(
         self,
         request: Any,

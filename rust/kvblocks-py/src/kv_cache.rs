@@ -190,46 +190,6 @@ impl PyKvCacheCore {
         self.blocks(py, hits)
     }
 
-    /// vLLM's `allocate_slots`: the new block ids, or `None` when the pool is too full.
-    #[pyo3(signature = (
-        request_id, block_hashes, num_tokens, num_computed_tokens, num_new_tokens,
-        num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, apply_watermark,
-        full_sequence_must_fit, reserved_blocks, delay_cache_blocks, /
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn allocate_slots<'py>(
-        &self,
-        py: Python<'py>,
-        request_id: &str,
-        block_hashes: &Bound<'py, PyAny>,
-        num_tokens: usize,
-        num_computed_tokens: usize,
-        num_new_tokens: usize,
-        num_new_computed_tokens: usize,
-        new_computed_blocks: Option<Vec<u32>>,
-        num_lookahead_tokens: usize,
-        apply_watermark: bool,
-        full_sequence_must_fit: bool,
-        reserved_blocks: usize,
-        delay_cache_blocks: bool,
-    ) -> PyResult<Option<Bound<'py, PyList>>> {
-        let args = AllocateArgs {
-            num_tokens,
-            num_computed_tokens,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            reserved_blocks,
-            full_sequence_must_fit,
-            delay_cache_blocks,
-            apply_watermark,
-        };
-        let hits = new_computed_blocks.unwrap_or_default();
-        let hashes = hashes_arg(block_hashes)?;
-        let new = self.lock()?.allocate_slots(request_id, &args, &hits, &hashes).map_err(to_py)?;
-        new.map(|blocks| PyList::new(py, blocks)).transpose()
-    }
-
     /// vLLM's `KVCacheManager.allocate_slots`, called by vLLM's scheduler directly: reads
     /// the request's id, block hashes, token counts and status, and returns the new blocks
     /// (the shared empty result when there are none), or `None` when the pool is too full.
