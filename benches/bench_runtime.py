@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,8 +240,26 @@ def test_decode_only_batch(benchmark: Any, decode_only: Batch) -> None:
     median = benchmark.stats.stats.median if benchmark.stats else None
     if median:
         tokens_per_s, bytes_per_s = 64 / median, b.kv_bytes / median
-        benchmark.extra_info.update(tokens_per_s=tokens_per_s, kv_bytes_per_s=bytes_per_s)
+        bandwidth = copy_bandwidth()
+        benchmark.extra_info.update(
+            tokens_per_s=tokens_per_s, kv_bytes_per_s=bytes_per_s, copy_bytes_per_s=bandwidth
+        )
         print(
             f"\n{case}: {tokens_per_s:,.0f} tokens/s per layer, "
-            f"{bytes_per_s / 1e9:.2f} GB/s of KV read ({b.kv_bytes / 2**20:.0f} MiB per call)"
+            f"{bytes_per_s / 1e9:.2f} GB/s of KV read ({b.kv_bytes / 2**20:.0f} MiB per call), "
+            f"{bytes_per_s / bandwidth:.0%} of this machine's memory bandwidth as a large tensor "
+            f"copy measures it ({bandwidth / 1e9:.1f} GB/s read + write)"
         )
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20) -> float:
+    """Bytes per second moved (read + written) by copying a large tensor: the memory
+    bandwidth decode attention is bounded by, measured in the same run (best of five)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
