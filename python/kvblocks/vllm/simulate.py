@@ -305,12 +305,11 @@ def run(
     recorder = EventRecorder()
     scheduler.kv_event_publisher = recorder if publisher is None else publisher
     model = FakeModel()
-    lag = (
-        1
-        if getattr(scheduler, "scheduler_config", None)
-        and scheduler.scheduler_config.async_scheduling
-        else 0
-    )
+    # An AsyncScheduler gets each step's output one step late (vLLM may turn the config flag
+    # off on the CPU, so the class decides).
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    lag = 1 if isinstance(scheduler, AsyncScheduler) else 0
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     steps: list[tuple[Any, ...]] = []
     requests: list[Request] = []
@@ -324,13 +323,16 @@ def run(
         reset = scheduler.reset_prefix_cache() if step in reset_steps else None
         if not pending and not scheduler.has_requests() and not in_flight:
             break
-        out = scheduler.schedule()
-        in_flight.append((out, model.execute(scheduler, out)))
+        snap: tuple[Any, ...] | None = None
+        if scheduler.has_requests() or not in_flight:
+            out = scheduler.schedule()
+            in_flight.append((out, model.execute(scheduler, out)))
+            snap = snapshot(out)
         outputs: tuple[Any, ...] = ((), None)
         if len(in_flight) > lag or not scheduler.has_requests():
             done, result = in_flight.pop(0)
             outputs = _outputs(scheduler.update_from_output(done, result))
-        steps.append((snapshot(out), *outputs, recorder.take(), reset))
+        steps.append((snap, *outputs, recorder.take(), reset))
     else:
         raise AssertionError(f"the workload did not finish in {max_steps} steps")
     steps.append(tuple((r.request_id, list(r.block_hashes)) for r in requests))

@@ -1,0 +1,827 @@
+"""Review of scheduler paths the step-by-step comparison in ``test_kv_cache_manager`` does not
+drive: streaming (resumable) sessions, ``reset_prefix_cache(reset_running_requests=True)``,
+prompt-logprobs requests, ``finish_requests`` of waiting / unknown / all ids, the priority
+policy, outputs several steps late (a pipeline-parallel batch queue), ``max_num_seqs`` and
+``long_prefill_token_threshold`` limits, ``max_tokens=1``, tiny pools, and a small
+``max_model_len``.
+
+Each test runs one scripted workload on vLLM's manager and on kvblocks' and compares, step by
+step, what the scheduler decided, the outputs, the statistics, the KV events, every live
+request's block table, and any exception raised (an exception ends a run and is recorded)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+from vllm.lora.request import LoRARequest
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+import kvblocks.vllm
+from kvblocks.vllm import _state
+from kvblocks.vllm.kv_cache_manager import KVCacheManager
+from kvblocks.vllm.simulate import (
+    MAX_MODEL_LEN,
+    EventRecorder,
+    FakeModel,
+    SchedulerSpec,
+    _outputs,
+    block_hasher,
+    make_kv_cache_config,
+    make_request,
+    model_config,
+    sampled_token,
+    snapshot,
+)
+from tests.vllm.test_kv_cache_manager import assert_same
+
+Hasher = Callable[[Request], list[bytes]]
+#: An action run before a step's ``schedule()``: (scheduler, hasher) -> a comparable result.
+Action = Callable[[Scheduler, Hasher], Any]
+
+
+def make_scheduler(
+    model_dir: Path,
+    spec: SchedulerSpec,
+    *,
+    max_model_len: int = MAX_MODEL_LEN,
+    **scheduler_kwargs: Any,
+) -> Scheduler:
+    """``simulate.make_scheduler`` with more ``SchedulerConfig`` knobs and ``max_model_len``."""
+    mc = model_config(model_dir)
+    if max_model_len != mc.max_model_len:
+        mc = copy.copy(mc)
+        mc.max_model_len = max_model_len
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=min(spec.max_num_seqs, spec.max_num_batched_tokens),
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+        async_scheduling=spec.async_scheduling,
+        watermark=spec.watermark,
+        **scheduler_kwargs,
+    )
+    cache_config = CacheConfig(
+        block_size=spec.block_size,
+        enable_prefix_caching=spec.enable_caching,
+        prefix_caching_hash_algo=spec.hash_algo,
+    )
+    cache_config.num_gpu_blocks = spec.num_blocks
+    extra: dict[str, Any] = {}
+    if spec.kv_events:
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    vllm_config = VllmConfig(
+        model_config=mc, scheduler_config=scheduler_config, cache_config=cache_config, **extra
+    )
+    scheduler_cls: type[Scheduler] = Scheduler
+    if spec.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        scheduler_cls = AsyncScheduler
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=make_kv_cache_config(spec),
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=spec.block_size,
+    )
+
+
+def prefill_stats(engine_outputs: dict[int, Any]) -> list[Any]:
+    """Each output's ``PrefillStats`` (``estimate_cached_tokens`` feeds ``finalize``)."""
+    return [
+        (o.request_id, dataclasses.astuple(o.prefill_stats))
+        for eco in engine_outputs.values()
+        for o in eco.outputs
+        if o.prefill_stats is not None
+    ]
+
+
+def drive(
+    scheduler: Scheduler,
+    hasher: Hasher,
+    actions: dict[int, list[Action]],
+    *,
+    lag: int = 0,
+    max_steps: int = 3000,
+) -> list[Any]:
+    """Steps the scheduler to the end: a step's actions, then ``schedule()``; each model
+    output is handed back ``lag`` steps late (``lag`` 1 = async scheduling, more = a
+    pipeline-parallel batch queue). Records per step the actions' results, the snapshot,
+    the outputs and stats, the KV events and every live request's block ids; an exception
+    ends the run and is recorded."""
+    recorder = EventRecorder()
+    scheduler.kv_event_publisher = recorder
+    model = FakeModel()
+    in_flight: list[Any] = []
+    records: list[Any] = []
+    last_action = max(actions, default=0)
+    manager = scheduler.kv_cache_manager
+    for step in range(max_steps):
+        try:
+            results = tuple(action(scheduler, hasher) for action in actions.get(step, ()))
+            if step > last_action and not scheduler.has_requests() and not in_flight:
+                break
+            out = scheduler.schedule()
+            in_flight.append((out, model.execute(scheduler, out)))
+            outputs: list[Any] = []
+            while in_flight and (len(in_flight) > lag or not scheduler.has_requests()):
+                done, result = in_flight.pop(0)
+                engine_outputs = scheduler.update_from_output(done, result)
+                outputs.append((_outputs(engine_outputs), prefill_stats(engine_outputs)))
+            tables = sorted(
+                (rid, tuple(manager.get_blocks(rid).get_block_ids()[0]))
+                for rid in scheduler.requests
+            )
+            records.append((step, results, snapshot(out), outputs, recorder.take(), tables))
+        except Exception as error:  # recorded: both managers must raise alike
+            records.append((step, "raised", type(error).__name__))
+            break
+    else:
+        records.append((max_steps, "unfinished"))
+    return records
+
+
+def both(
+    model_dir: Path,
+    spec: SchedulerSpec,
+    actions: Callable[[], dict[int, list[Action]]],
+    *,
+    lag: int | None = None,
+    **scheduler_kwargs: Any,
+) -> tuple[list[Any], list[Any]]:
+    """(stock vLLM's records, kvblocks' records) for one workload."""
+    if lag is None:
+        lag = 1 if spec.async_scheduling else 0
+    runs = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONHASHSEED", "0")
+        for impl in ("vllm", "kvblocks"):
+            kvblocks.vllm.uninstall()
+            if impl == "kvblocks":
+                kvblocks.vllm.install("all")
+                _state.fallbacks.clear()
+            scheduler = make_scheduler(model_dir, spec, **scheduler_kwargs)
+            hasher = block_hasher(spec.hash_algo, spec.block_size)
+            expected = KVCacheManager if impl == "kvblocks" else VllmKVCacheManager
+            assert type(scheduler.kv_cache_manager) is expected
+            runs.append(drive(scheduler, hasher, actions(), lag=lag))
+            kvblocks.vllm.uninstall()
+    assert not _state.fallbacks, "kvblocks' manager and hasher must both run"
+    return runs[0], runs[1]
+
+
+# Actions.
+
+
+def add(request_id: str, prompt: list[int], max_tokens: int = 8, **kwargs: Any) -> Action:
+    sampling = kwargs.pop("sampling", None)
+
+    def action(scheduler: Scheduler, hasher: Hasher) -> Any:
+        request = make_request(
+            request_id, prompt, hasher, max_tokens=max_tokens, sampling=sampling, **kwargs
+        )
+        scheduler.add_request(request)
+        return request_id
+
+    return action
+
+
+def abort(request_ids: Any) -> Action:
+    def action(scheduler: Scheduler, hasher: Hasher) -> Any:
+        done = scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return sorted(r.request_id for r in done)
+
+    return action
+
+
+def reset(**kwargs: Any) -> Action:
+    def action(scheduler: Scheduler, hasher: Hasher) -> Any:
+        return scheduler.reset_prefix_cache(**kwargs)
+
+    return action
+
+
+def hashes(request_id: str) -> Action:
+    """The request's block hashes and tokens (kvblocks' hasher must follow truncations)."""
+
+    def action(scheduler: Scheduler, hasher: Hasher) -> Any:
+        request = scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        return (list(request.block_hashes), list(request.all_token_ids), str(request.status))
+
+    return action
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def shared_workload(
+    seed: int,
+    n: int,
+    *,
+    spread: int = 20,
+    max_tokens: tuple[int, int] = (1, 20),
+    name: str = "r",
+) -> dict[int, list[Action]]:
+    rng = random.Random(seed)
+    prefixes = [tokens(rng, rng.randrange(1, 40)) for _ in range(3)]
+    actions: dict[int, list[Action]] = {}
+    for i in range(n):
+        prompt = rng.choice(prefixes) + tokens(rng, rng.randrange(0, 25))
+        step = rng.randrange(0, spread)
+        actions.setdefault(step, []).append(add(f"{name}{i}", prompt, rng.randint(*max_tokens)))
+    return actions
+
+
+def merge(*parts: dict[int, list[Action]]) -> dict[int, list[Action]]:
+    out: dict[int, list[Action]] = {}
+    for part in parts:
+        for step, acts in part.items():
+            out.setdefault(step, []).extend(acts)
+    return out
+
+
+# Streaming-input sessions (resumable requests).
+
+
+def session_workload(seed: int, block_size: int, lora: bool = False) -> dict[int, list[Action]]:
+    """A resumable session ``s`` that gets several input chunks (some while it runs, so they
+    queue; some while it waits for input), ends with a non-resumable chunk, next to ordinary
+    requests that share its prefix; its block hashes are read after each turn."""
+    rng = random.Random(seed)
+    first = tokens(rng, 3 * block_size + 1)
+    actions = merge(shared_workload(seed, 8, spread=30))
+    keys: dict[str, Any] = {"cache_salt": "tenant"}
+    if lora:
+        keys["lora_request"] = LoRARequest("adapter-1", 1, "/lora/1")
+    plan = [
+        (0, add("s", first, 5, resumable=True, session_id="session-1", **keys)),
+        (2, add("s", tokens(rng, block_size + 1), 3, resumable=True)),  # queued while running
+        (3, add("s", tokens(rng, 2 * block_size + 2), 4, resumable=True)),
+        (25, add("s", tokens(rng, 1), 1, resumable=True)),  # waiting for input by now
+        (40, add("s", tokens(rng, block_size), 6, resumable=True)),
+        (41, add("u", first + tokens(rng, 2), 4, **keys)),  # hits the session's prefix
+        (70, add("s", tokens(rng, 5), 2)),  # not resumable: the last chunk
+    ]
+    for step, act in plan:
+        actions.setdefault(step, []).append(act)
+    for step in range(0, 90, 3):
+        actions.setdefault(step, []).append(hashes("s"))
+    return actions
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "block_size", "caching", "algo", "lora"),
+    [
+        (False, 1, True, "sha256", False),
+        (False, 4, True, "sha256", True),
+        (True, 1, True, "sha256", False),
+        (True, 4, True, "sha256", False),
+        (True, 4, False, "sha256", False),
+        (True, 4, True, "xxhash", True),
+        (False, 2, True, "sha256_cbor", True),
+        (False, 4, True, "xxhash_cbor", False),
+    ],
+)
+def test_streaming_sessions(
+    model_dir: Path, async_scheduling: bool, block_size: int, caching: bool, algo: str, lora: bool
+) -> None:
+    spec = SchedulerSpec(
+        block_size=block_size,
+        num_blocks=400 // block_size,
+        hash_algo=algo,
+        max_num_batched_tokens=24,
+        kv_events=True,
+        async_scheduling=async_scheduling,
+        enable_caching=caching,
+    )
+    stock, ours = both(model_dir, spec, lambda: session_workload(7, block_size, lora))
+    assert_same(stock, ours)
+    assert all(record[1] != "raised" for record in stock)
+    finished = {rid for record in stock for rid in record[2][4]}
+    assert "s" in finished
+
+
+def test_streaming_session_preempted_and_aborted(model_dir: Path) -> None:
+    """A session preempted (with a chunk queued), resumed, continued with the queued chunk,
+    then aborted while it waits for input."""
+    spec = SchedulerSpec(block_size=4, num_blocks=20, max_num_batched_tokens=16, kv_events=True)
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(3)
+        acts = {0: [add("s", tokens(rng, 13), 12, resumable=True, priority=9)]}
+        acts[1] = [add("s", tokens(rng, 6), 5, resumable=True)]
+        acts = merge(acts, {k + 1: v for k, v in shared_workload(3, 6, spread=2).items()})
+        acts.setdefault(95, []).append(abort("s"))  # waiting for input by now
+        acts.setdefault(96, []).append(abort(["s", "nope"]))
+        for step in range(0, 100, 4):
+            acts.setdefault(step, []).append(hashes("s"))
+        return acts
+
+    # The priority policy preempts the session (lowest priority) first.
+    stock, ours = both(model_dir, spec, actions, policy="priority")
+    assert_same(stock, ours)
+    preempted = {rid for record in stock if record[1] != "raised" for rid in record[2][5]}
+    assert "s" in preempted
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_reset_with_session_waiting_for_input(model_dir: Path, async_scheduling: bool) -> None:
+    """A paused session holds blocks: the reset fails, and raises when running requests were
+    to be preempted (vLLM's RuntimeError), with either manager."""
+    spec = SchedulerSpec(
+        block_size=4, num_blocks=40, kv_events=True, async_scheduling=async_scheduling
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(5)
+        return {
+            0: [add("s", tokens(rng, 10), 3, resumable=True), add("x", tokens(rng, 9), 30)],
+            10: [reset()],
+            11: [reset(reset_running_requests=True)],
+        }
+
+    stock, ours = both(model_dir, spec, actions)
+    assert_same(stock, ours)
+    assert stock[-1][1:] == ("raised", "RuntimeError")
+
+
+def reset_unless_paused_session() -> Action:
+    """``reset_prefix_cache(reset_running_requests=True)``, skipped while a session waits
+    for input (it holds blocks, so the reset would raise)."""
+
+    def action(scheduler: Scheduler, hasher: Hasher) -> Any:
+        if scheduler.num_waiting_for_streaming_input:
+            return "skipped"
+        return scheduler.reset_prefix_cache(reset_running_requests=True)
+
+    return action
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sessions_in_a_crowded_small_pool(model_dir: Path, async_scheduling: bool) -> None:
+    """Sessions under ``max_num_seqs`` (a paused session holds a slot), FCFS preemption, and
+    resets that preempt every running request, the session among them."""
+    spec = SchedulerSpec(
+        block_size=4,
+        num_blocks=34,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        kv_events=True,
+        async_scheduling=async_scheduling,
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        acts = session_workload(43, 4)
+        for step in (4, 9, 15, 22, 33, 47, 58):
+            acts.setdefault(step, []).append(reset_unless_paused_session())
+        return acts
+
+    stock, ours = both(model_dir, spec, actions)
+    assert_same(stock, ours)
+    results = [r for record in stock if record[1] != "raised" for r in record[1]]
+    assert any(r is True for r in results)
+    preempted = {rid for record in stock if record[1] != "raised" for rid in record[2][5]}
+    assert "s" in preempted
+
+
+# reset_prefix_cache(reset_running_requests=True).
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_reset_prefix_cache_preempting_running(model_dir: Path, async_scheduling: bool) -> None:
+    spec = SchedulerSpec(
+        block_size=4,
+        num_blocks=60,
+        max_num_batched_tokens=32,
+        kv_events=True,
+        async_scheduling=async_scheduling,
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        acts = shared_workload(5, 16, spread=20)
+        for step in (3, 7, 12, 19):
+            acts.setdefault(step, []).append(reset(reset_running_requests=True))
+        acts.setdefault(8, []).append(reset())
+        return acts
+
+    stock, ours = both(model_dir, spec, actions)
+    assert_same(stock, ours)
+    results = [r for record in stock if record[1] != "raised" for r in record[1]]
+    assert True in results
+
+
+# Prompt logprobs (skip_reading_prefix_cache), max_tokens=1.
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_and_single_token_requests(model_dir: Path, async_scheduling: bool) -> None:
+    spec = SchedulerSpec(
+        block_size=4,
+        num_blocks=80,
+        max_num_batched_tokens=40,
+        kv_events=True,
+        async_scheduling=async_scheduling,
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(11)
+        prefix = tokens(rng, 17)
+        acts: dict[int, list[Action]] = {}
+        for i in range(12):
+            sampling: dict[str, Any] = {}
+            if i % 3 == 0:
+                sampling = {"prompt_logprobs": 1}
+            elif i % 3 == 1:
+                sampling = {"extra_args": {"kv_cache_report_mode": "full"}}
+            prompt = prefix + tokens(rng, i % 5)
+            acts.setdefault(i // 3, []).append(
+                add(f"r{i}", prompt, 1 if i % 2 else 4, sampling=sampling)
+            )
+        # Identical prompts in one step, max_tokens=1 (fully cached, one token to compute).
+        acts.setdefault(20, []).extend([add(f"same{j}", prefix[:16], 1) for j in range(3)])
+        return acts
+
+    stock, ours = both(model_dir, spec, actions)
+    assert_same(stock, ours)
+
+
+# finish_requests of waiting, unknown and all ids.
+
+
+def test_finish_requests_waiting_unknown_and_all(model_dir: Path) -> None:
+    spec = SchedulerSpec(
+        block_size=4, num_blocks=30, max_num_batched_tokens=16, max_num_seqs=3, kv_events=True
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        acts = shared_workload(13, 14, spread=6, max_tokens=(5, 30))
+        acts.setdefault(2, []).append(abort(["r1", "r2", "unknown"]))
+        acts.setdefault(3, []).append(abort("never-added"))
+        acts.setdefault(5, []).append(abort(("r5", "r5")))
+        acts.setdefault(9, []).append(abort("r1"))  # already finished
+        acts.setdefault(14, []).append(abort(None))  # everything
+        acts.setdefault(15, []).extend(shared_workload(14, 6, spread=1, name="late")[0])
+        return acts
+
+    stock, ours = both(model_dir, spec, actions)
+    assert_same(stock, ours)
+
+
+# Priority policy.
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_policy_preemption(model_dir: Path, async_scheduling: bool) -> None:
+    spec = SchedulerSpec(
+        block_size=4,
+        num_blocks=24,
+        max_num_batched_tokens=24,
+        kv_events=True,
+        async_scheduling=async_scheduling,
+    )
+    rng = random.Random(17)
+    prefixes = [tokens(rng, rng.randrange(4, 30)) for _ in range(3)]
+
+    def actions() -> dict[int, list[Action]]:
+        acts: dict[int, list[Action]] = {}
+        r = random.Random(17)
+        for i in range(20):
+            prompt = r.choice(prefixes) + tokens(r, r.randrange(0, 20))
+            acts.setdefault(r.randrange(0, 30), []).append(
+                add(f"r{i}", prompt, r.randrange(1, 25), priority=r.randrange(0, 4))
+            )
+        return acts
+
+    stock, ours = both(model_dir, spec, actions, policy="priority")
+    assert_same(stock, ours)
+    assert any(record[2][5] for record in stock if record[1] != "raised"), "must preempt"
+
+
+# Outputs several steps late (pipeline-parallel batch queue with the sync scheduler).
+
+
+@pytest.mark.parametrize("lag", [2, 3])
+def test_batch_queue_outputs_late(model_dir: Path, lag: int) -> None:
+    spec = SchedulerSpec(block_size=4, num_blocks=30, max_num_batched_tokens=20, kv_events=True)
+
+    def actions() -> dict[int, list[Action]]:
+        acts = shared_workload(19 + lag, 16, spread=25)
+        acts.setdefault(10, []).append(abort(["r3", "r4"]))
+        acts.setdefault(30, []).append(reset(reset_running_requests=True))
+        return acts
+
+    stock, ours = both(model_dir, spec, actions, lag=lag)
+    assert_same(stock, ours)
+
+
+# Many waiting requests under max_num_seqs, long_prefill_token_threshold.
+
+
+@pytest.mark.parametrize("threshold", [5, 12])
+def test_max_num_seqs_and_long_prefill_threshold(model_dir: Path, threshold: int) -> None:
+    spec = SchedulerSpec(
+        block_size=4, num_blocks=50, max_num_batched_tokens=32, max_num_seqs=3, kv_events=True
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        acts = shared_workload(23, 25, spread=3)
+        return acts
+
+    stock, ours = both(model_dir, spec, actions, long_prefill_token_threshold=threshold)
+    assert_same(stock, ours)
+
+
+# Tiny pools: admission fails again and again; the watermark; reserve_full_isl off.
+
+FULL: tuple[dict[str, Any], ...] = ({}, {"extra_args": {"kv_cache_report_mode": "full"}})
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "watermark", "full_isl"),
+    [(9, 0.0, True), (9, 0.2, True), (12, 0.1, False), (7, 0.0, False)],
+)
+def test_tiny_pool_admission_failures(
+    model_dir: Path, num_blocks: int, watermark: float, full_isl: bool
+) -> None:
+    spec = SchedulerSpec(
+        block_size=4,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=12,
+        kv_events=True,
+        watermark=watermark,
+    )
+    rng = random.Random(num_blocks)
+    prefix = tokens(rng, 9)
+
+    def actions() -> dict[int, list[Action]]:
+        acts: dict[int, list[Action]] = {}
+        r = random.Random(num_blocks)
+        for i in range(24):
+            # Every request fits in the pool alone (or vLLM would wait forever too).
+            extra = r.randrange(0, max(1, 4 * (num_blocks - 3) - 9 - 12))
+            acts.setdefault(r.randrange(0, 30), []).append(
+                # Report mode "full": a reused-blocks event at every lookup, failed or not.
+                add(f"r{i}", prefix + tokens(r, extra), r.randrange(1, 12), sampling=FULL[i % 2])
+            )
+        return acts
+
+    stock, ours = both(
+        model_dir, spec, actions, scheduler_reserve_full_isl=full_isl, max_model_len=64
+    )
+    assert_same(stock, ours)
+
+
+# A small max_model_len: requests run into it; prompts longer than it.
+
+
+@pytest.mark.parametrize("kv_events", [False, True])
+def test_small_max_model_len(model_dir: Path, kv_events: bool) -> None:
+    spec = SchedulerSpec(
+        block_size=4, num_blocks=40, max_num_batched_tokens=64, kv_events=kv_events
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(29)
+        prefix = tokens(rng, 20)
+        return {
+            0: [add("a", prefix + tokens(rng, 6), 30)],  # capped at 32 tokens
+            1: [add("b", prefix + tokens(rng, 11), 1)],  # exactly 32 with its output
+            2: [add("c", prefix[:16], 40)],
+        }
+
+    stock, ours = both(model_dir, spec, actions, max_model_len=32)
+    assert_same(stock, ours)
+
+
+@pytest.mark.parametrize("kv_events", [False, True])
+def test_prompt_longer_than_max_model_len(model_dir: Path, kv_events: bool) -> None:
+    """vLLM's input processor rejects such prompts; the scheduler alone still takes them.
+
+    A deliberate divergence with KV events on (docs/vllm.md, "Where kvblocks differs"):
+    ``allocate_slots`` gives the 42-token prompt 8 blocks (``max_model_len`` 32) but caches
+    ``min(42, num_tokens)`` tokens, i.e. 10 full blocks; vLLM's ``cache_full_blocks`` then
+    indexes ``blocks[8]`` while building the ``BlockStored`` event and raises IndexError out of
+    ``schedule()``. kvblocks registers the blocks the request has, emits their event and goes
+    on; up to vLLM's crash, both runs are identical."""
+    spec = SchedulerSpec(
+        block_size=4, num_blocks=40, max_num_batched_tokens=64, kv_events=kv_events
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(31)
+        return {0: [add("long", tokens(rng, 42), 3)], 3: [add("next", tokens(rng, 9), 2)]}
+
+    stock, ours = both(model_dir, spec, actions, max_model_len=32)
+    assert_same_until_vllm_crashes(stock, ours, kv_events)
+
+
+@pytest.mark.parametrize("kv_events", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_streaming_session_beyond_max_model_len(
+    model_dir: Path, kv_events: bool, async_scheduling: bool
+) -> None:
+    """Each chunk passes the input processor's check (shorter than ``max_model_len``), but
+    the session's accumulated tokens outgrow it.
+
+    The same deliberate divergence with KV events on (see the test above): the resumed
+    session (37 tokens, 22 computed, 15 scheduled, 9 block hashes, 8 blocks under
+    ``max_model_len`` 32) makes vLLM's ``cache_full_blocks`` raise IndexError (``blocks[8]``)
+    out of ``schedule()``; kvblocks schedules it and emits a ``BlockStored`` for blocks 5-7."""
+    spec = SchedulerSpec(
+        block_size=4,
+        num_blocks=40,
+        max_num_batched_tokens=64,
+        kv_events=kv_events,
+        async_scheduling=async_scheduling,
+    )
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(37)
+        return {
+            0: [add("s", tokens(rng, 20), 3, resumable=True)],
+            1: [add("s", tokens(rng, 15), 3, resumable=True)],
+            2: [add("s", tokens(rng, 5), 2)],
+            20: [add("t", tokens(rng, 9), 2)],
+        }
+
+    stock, ours = both(model_dir, spec, actions, max_model_len=32)
+    assert_same_until_vllm_crashes(stock, ours, kv_events)
+
+
+def assert_same_until_vllm_crashes(stock: list[Any], ours: list[Any], kv_events: bool) -> None:
+    """Without KV events the runs are identical; with them, stock vLLM raises IndexError out of
+    ``schedule()`` where kvblocks goes on, and every step before that is identical."""
+    if not kv_events:
+        assert_same(stock, ours)
+        return
+    assert stock[-1][1:] == ("raised", "IndexError")
+    assert all(record[1] != "raised" for record in ours)
+    crash = len(stock) - 1
+    assert_same(stock[:crash], ours[:crash])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_tokens_with_steps_in_flight(model_dir: Path, async_scheduling: bool) -> None:
+    """Requests and a session that stop on a stop token before ``max_tokens``: under async
+    scheduling their next step is already in flight (stale output; a session resumes with
+    ``drop_stale_output`` and caches from ``num_computed_tokens - num_in_flight_tokens``)."""
+    spec = SchedulerSpec(
+        block_size=2,
+        num_blocks=60,
+        max_num_batched_tokens=16,
+        kv_events=True,
+        async_scheduling=async_scheduling,
+    )
+
+    def stops(rid: str, *indices: int) -> dict[str, Any]:
+        return {"stop_token_ids": [sampled_token(rid, i) for i in indices]}
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(41)
+        prefix = tokens(rng, 7)
+        acts: dict[int, list[Action]] = {}
+        for i in range(8):
+            rid = f"r{i}"
+            acts.setdefault(i, []).append(
+                add(rid, prefix + tokens(rng, i), 30, sampling=stops(rid, 1 + i % 4))
+            )
+        session = stops("s", 2, 5, 9, 14, 20)
+        acts.setdefault(0, []).append(add("s", prefix + tokens(rng, 5), 30, sampling=session))
+        for step, n in ((1, 3), (2, 4), (30, 2), (31, 6)):
+            acts.setdefault(step, []).append(
+                add("s", tokens(rng, n), 30, resumable=True, sampling=session)
+            )
+        acts[0][-1] = add("s", prefix + tokens(rng, 5), 30, resumable=True, sampling=session)
+        acts.setdefault(60, []).append(add("s", tokens(rng, 3), 4))
+        for step in range(0, 70, 2):
+            acts.setdefault(step, []).append(hashes("s"))
+        return acts
+
+    stock, ours = both(model_dir, spec, actions)
+    assert_same(stock, ours)
+    reasons = {o[2] for record in stock for batch in record[3] for o in batch[0][0]}
+    assert "stop" in reasons
+
+
+def test_engine_core_reads_of_the_manager(model_dir: Path) -> None:
+    """What EngineCore reads off the manager outside the scheduler: the effective attention
+    block size at start-up and ``get_kv_cache_group_metadata`` (for external consumers)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+
+    spec = SchedulerSpec(block_size=8, num_blocks=20)
+    seen = []
+    for impl in ("vllm", "kvblocks"):
+        kvblocks.vllm.uninstall()
+        if impl == "kvblocks":
+            kvblocks.vllm.install("all")
+        scheduler = make_scheduler(model_dir, spec)
+        expected = KVCacheManager if impl == "kvblocks" else VllmKVCacheManager
+        assert type(scheduler.kv_cache_manager) is expected
+        core: Any = SimpleNamespace(scheduler=scheduler, vllm_config=scheduler.vllm_config)
+        EngineCore._initialize_effective_attention_block_size(core)
+        block_size = scheduler.vllm_config.cache_config.effective_attention_block_size
+        seen.append((block_size, EngineCore.get_kv_cache_group_metadata(core)))
+        kvblocks.vllm.uninstall()
+    assert seen[0] == seen[1]
+    assert seen[0][0] == 8
+
+
+# Random mixes of all of the above.
+
+
+def random_case(seed: int) -> tuple[SchedulerSpec, dict[str, Any], int, Callable[[], Any]]:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    async_scheduling = rng.random() < 0.4
+    lag = 1 if async_scheduling else rng.choice([0, 0, 2])
+    num_sessions = rng.randrange(0, 3)
+    num_requests = rng.randrange(3, 14)
+    longest = 40 + 24 + 12  # a request's prompt + output tokens at most
+    session_total = 30 + 4 * (10 + 8) + 8  # a session's tokens at most
+    need = -(-max(longest, session_total) // block_size)
+    spec = SchedulerSpec(
+        block_size=block_size,
+        # Odd seeds: a pool barely larger than the largest request (preemption, failed
+        # admissions); even seeds: room for the sessions too.
+        num_blocks=need
+        + (rng.randrange(1, 4) if seed % 2 else num_sessions * need // 2 + rng.randrange(1, need)),
+        hash_algo=rng.choice(["sha256", "xxhash", "sha256_cbor", "xxhash_cbor"]),
+        enable_caching=rng.random() < 0.85,
+        max_num_seqs=rng.choice([2, 4, 16]),
+        max_num_batched_tokens=rng.choice([8, 16, 48]),
+        async_scheduling=async_scheduling,
+        watermark=rng.choice([0.0, 0.0, 0.1]),
+        kv_events=rng.random() < 0.6,
+    )
+    scheduler_kwargs: dict[str, Any] = {
+        "policy": rng.choice(["fcfs", "priority"]),
+        "scheduler_reserve_full_isl": rng.random() < 0.7,
+        "long_prefill_token_threshold": rng.choice([0, 0, 6]),
+    }
+
+    def actions() -> dict[int, list[Action]]:
+        r = random.Random(seed * 7919 + 1)
+        prefixes = [tokens(r, r.randrange(1, 40)) for _ in range(3)]
+        acts: dict[int, list[Action]] = {}
+        for i in range(num_requests):
+            rid = f"r{i}"
+            sampling: dict[str, Any] = r.choice(
+                [{}, {}, {"prompt_logprobs": 1}, {"extra_args": {"kv_cache_report_mode": "full"}}]
+            )
+            if r.random() < 0.3:
+                sampling = {**sampling, "stop_token_ids": [sampled_token(rid, r.randrange(6))]}
+            prompt = r.choice(prefixes) + tokens(r, r.randrange(0, 24))
+            acts.setdefault(r.randrange(0, 30), []).append(
+                add(rid, prompt, r.randrange(1, 12), sampling=sampling, priority=r.randrange(3))
+            )
+        for j in range(num_sessions):
+            sid = f"s{j}"
+            step = r.randrange(0, 20)
+            session = {"stop_token_ids": [sampled_token(sid, r.randrange(20))]}
+            first = r.choice(prefixes)[:30] + tokens(r, r.randrange(1, 5))
+            acts.setdefault(step, []).append(
+                add(sid, first, r.randrange(1, 8), sampling=session, resumable=True)
+            )
+            for _ in range(r.randrange(1, 4)):
+                step += r.randrange(1, 25)
+                acts.setdefault(step, []).append(
+                    add(sid, tokens(r, r.randrange(1, 10)), r.randrange(1, 8), resumable=True)
+                )
+            step += r.randrange(1, 25)
+            last = abort(sid) if r.random() < 0.3 else add(sid, tokens(r, 3), 2)
+            acts.setdefault(step, []).append(last)
+            acts.setdefault(step + 1, []).append(hashes(sid))
+        for _ in range(r.randrange(0, 3)):
+            acts.setdefault(r.randrange(0, 60), []).append(abort(f"r{r.randrange(num_requests)}"))
+        for _ in range(r.randrange(0, 3)):
+            acts.setdefault(r.randrange(0, 80), []).append(
+                r.choice([reset(), reset_unless_paused_session()])
+            )
+        return acts
+
+    return spec, scheduler_kwargs, lag, actions
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_mixes(model_dir: Path, seed: int) -> None:
+    spec, scheduler_kwargs, lag, actions = random_case(seed)
+    stock, ours = both(model_dir, spec, actions, lag=lag, **scheduler_kwargs)
+    assert_same(stock, ours)
