@@ -11,7 +11,6 @@ request's block table, and any exception raised (an exception ends a run and is 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import random
 from collections.abc import Callable
@@ -19,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 import kvblocks.vllm
-from kvblocks.vllm import _state
+from kvblocks.vllm import _state, simulate
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from kvblocks.vllm.simulate import (
     MAX_MODEL_LEN,
@@ -36,9 +33,7 @@ from kvblocks.vllm.simulate import (
     SchedulerSpec,
     _outputs,
     block_hasher,
-    make_kv_cache_config,
     make_request,
-    model_config,
     sampled_token,
     snapshot,
 )
@@ -56,47 +51,10 @@ def make_scheduler(
     max_model_len: int = MAX_MODEL_LEN,
     **scheduler_kwargs: Any,
 ) -> Scheduler:
-    """``simulate.make_scheduler`` with more ``SchedulerConfig`` knobs and ``max_model_len``."""
-    mc = model_config(model_dir)
-    if max_model_len != mc.max_model_len:
-        mc = copy.copy(mc)
-        mc.max_model_len = max_model_len
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=min(spec.max_num_seqs, spec.max_num_batched_tokens),
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        is_encoder_decoder=False,
-        enable_chunked_prefill=True,
-        async_scheduling=spec.async_scheduling,
-        watermark=spec.watermark,
-        **scheduler_kwargs,
-    )
-    cache_config = CacheConfig(
-        block_size=spec.block_size,
-        enable_prefix_caching=spec.enable_caching,
-        prefix_caching_hash_algo=spec.hash_algo,
-    )
-    cache_config.num_gpu_blocks = spec.num_blocks
-    extra: dict[str, Any] = {}
-    if spec.kv_events:
-        from vllm.config import KVEventsConfig
-
-        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-    vllm_config = VllmConfig(
-        model_config=mc, scheduler_config=scheduler_config, cache_config=cache_config, **extra
-    )
-    scheduler_cls: type[Scheduler] = Scheduler
-    if spec.async_scheduling:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
-        scheduler_cls = AsyncScheduler
-    return scheduler_cls(
-        vllm_config=vllm_config,
-        kv_cache_config=make_kv_cache_config(spec),
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=spec.block_size,
-    )
+    """``simulate.make_scheduler`` with ``max_model_len`` and more ``SchedulerConfig`` knobs."""
+    scheduler = {**spec.scheduler, **scheduler_kwargs}
+    spec = dataclasses.replace(spec, max_model_len=max_model_len, scheduler=scheduler)
+    return simulate.make_scheduler(model_dir, spec)
 
 
 def prefill_stats(engine_outputs: dict[int, Any]) -> list[Any]:

@@ -10,6 +10,7 @@ the plugin is installed). Importing this module imports vLLM.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -99,6 +100,10 @@ class SchedulerSpec:
     async_scheduling: bool = False
     watermark: float = 0.0
     kv_events: bool = False
+    max_model_len: int = MAX_MODEL_LEN
+    #: More ``SchedulerConfig`` fields (``policy``, ``long_prefill_token_threshold``, ...).
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    #: More ``VllmConfig`` fields.
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -107,11 +112,12 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         # vLLM needs a token budget of at least one token per sequence.
         max_num_seqs=min(spec.max_num_seqs, spec.max_num_batched_tokens),
         max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_model_len=MAX_MODEL_LEN,
+        max_model_len=spec.max_model_len,
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
         async_scheduling=spec.async_scheduling,
         watermark=spec.watermark,
+        **spec.scheduler,
     )
     cache_config = CacheConfig(
         block_size=spec.block_size,
@@ -124,8 +130,12 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         from vllm.config import KVEventsConfig
 
         extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    models = model_config(model_dir)
+    if spec.max_model_len != models.max_model_len:
+        models = copy.copy(models)  # the cached config is shared
+        models.max_model_len = spec.max_model_len
     return VllmConfig(
-        model_config=model_config(model_dir),
+        model_config=models,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         **extra,
