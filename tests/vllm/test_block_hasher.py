@@ -233,7 +233,7 @@ def test_fallback_unknown_hash_function() -> None:
 
     kv_cache_utils.init_none_hash(custom_hash)
     ours = kv_cache_utils.get_request_block_hasher(4, custom_hash)
-    stock = _state.original("get_request_block_hasher")(4, custom_hash)
+    stock = _state.original_or_current(kv_cache_utils, "get_request_block_hasher")(4, custom_hash)
     a, b = pair(stock, ours, list(range(13)))
     assert b.block_hashes == a.block_hashes
     assert fallbacks() == {("hasher", "hash_fn"): 1}

@@ -11,8 +11,6 @@ from typing import Any
 _lock = threading.Lock()
 #: (id(target), attribute) -> (target, the vLLM object kvblocks replaced there).
 _patched: dict[tuple[int, str], tuple[Any, Any]] = {}
-#: attribute name -> the original vLLM object (the same for every module that imports it).
-_originals: dict[str, Any] = {}
 mode = "off"
 #: part -> what it runs on ("sha256_cbor", ...), for the parts that are active.
 active: dict[str, str] = {}
@@ -61,11 +59,6 @@ def logger() -> logging.Logger:
         return logging.getLogger("vllm.kvblocks")
 
 
-def original(name: str) -> Any:
-    """The vLLM object that ``name`` referred to before kvblocks replaced it."""
-    return _originals[name]
-
-
 def original_or_current(target: Any, name: str) -> Any:
     """``target.name`` as vLLM defined it, whether or not kvblocks replaced it."""
     entry = _patched.get((id(target), name))
@@ -79,7 +72,6 @@ def patch(target: Any, name: str, replacement: Any) -> None:
         key = (id(target), name)
         if key not in _patched:
             _patched[key] = (target, getattr(target, name))
-        _originals.setdefault(name, _patched[key][1])
         setattr(target, name, replacement)
 
 

@@ -137,7 +137,10 @@ def get_request_block_hasher(
     num_hash_lookahead_tokens: int = 0,
 ) -> RequestBlockHasher:
     """vLLM's ``get_request_block_hasher``, on kvblocks where it is exact."""
-    stock: RequestBlockHasher = _state.original("get_request_block_hasher")(
+    from vllm.v1.core import kv_cache_utils
+
+    vllm_factory = _state.original_or_current(kv_cache_utils, "get_request_block_hasher")
+    stock: RequestBlockHasher = vllm_factory(
         hash_block_size, caching_hash_fn, num_hash_lookahead_tokens
     )
     if num_hash_lookahead_tokens:

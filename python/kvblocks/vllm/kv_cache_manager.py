@@ -153,38 +153,11 @@ class KVCacheManager:
             self._events.append(self._stored_event(request, 0, num_hits, reused=True))
         return hits, num_hits * self.block_size, 0
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlockIds | None = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-        num_encoder_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        reserved_blocks: int = 0,
-        has_scheduled_reqs: bool = True,
-        skip_zeroing_group_ids: Any = (),
-    ) -> KVCacheBlockIds | None:
-        """vLLM's ``allocate_slots``, with KV events: Rust allocates, then the events of the
-        call become vLLM's event objects. Without events the instance attribute set in
-        ``__init__`` sends vLLM's call to Rust directly."""
-        blocks: KVCacheBlockIds | None = self._core.allocate_for_request(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-            skip_zeroing_group_ids,
-        )
+    def allocate_slots(self, request: Request, *args: Any, **kwargs: Any) -> KVCacheBlockIds | None:
+        """vLLM's ``allocate_slots`` (its arguments: ``KVCacheCore.allocate_for_request``), with
+        KV events: Rust allocates, then the call's events become vLLM's event objects. Without
+        events the instance attribute set in ``__init__`` sends vLLM's call to Rust directly."""
+        blocks: KVCacheBlockIds | None = self._core.allocate_for_request(request, *args, **kwargs)
         if blocks is not None:
             self._collect_events(request)
         return blocks
@@ -248,8 +221,8 @@ class KVCacheManager:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        in_use = self._core.num_blocks - 1 - self._core.num_free_blocks
         if not self._core.reset_prefix_cache():
+            in_use = self._core.num_blocks - 1 - self._core.num_free_blocks
             _state.logger().warning(
                 "Failed to reset prefix cache because some blocks (%d) are not freed yet", in_use
             )
