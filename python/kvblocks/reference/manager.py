@@ -1,207 +1,39 @@
 """Pure-Python twin of :class:`kvblocks.BlockManager`, written the way vLLM 0.33's
 ``BlockPool``, ``FreeKVCacheBlockQueue`` and ``KVCacheManager`` work for one full-attention
 group: a Python object per block, an intrusive linked list for the free queue, a dict from
-hash to blocks. It makes the same decisions as the Rust manager and raises the same errors."""
+hash to blocks. It makes the same decisions as the Rust manager and raises the same errors.
+
+This module holds the manager itself (its request table and the per-request operations); the
+rest is split by concept, as in the Rust core: the block pool in :mod:`.pool`, the batched step
+in :mod:`._step`, token verification in :mod:`._verify` and the ``BlockStored`` events in
+:mod:`._events`. Those modules' functions take the manager first and are bound here as its
+methods."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvblocks.kv_events import KVCacheEvent
+from kvblocks.reference import _events, _step, _verify
 from kvblocks.reference._args import int_arg, one_or_many_token_ids, size_arg, str_arg, token_ids
-from kvblocks.reference.hashing import (
-    LORA,
-    MM,
-    BlockHasher,
-    ExtraKeys,
-    RequestKeys,
-)
+from kvblocks.reference._verify import _Provenance
+from kvblocks.reference.hashing import BlockHasher, RequestKeys
+from kvblocks.reference.pool import NULL_BLOCK_ID, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvblocks.reference.sequence import TokenSequence
 from kvblocks.stats import PrefixCacheStats
-from kvblocks.step import ScheduledStep, StepBuffers
 
-NULL_BLOCK_ID = 0
-
-
-class KVCacheBlock:
-    """One physical block: reference count, cache key and free-queue links."""
-
-    __slots__ = (
-        "block_hash",
-        "block_id",
-        "is_null",
-        "next_free_block",
-        "prev_free_block",
-        "ref_cnt",
-    )
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: bytes | None = None
-        self.prev_free_block: KVCacheBlock | None = None
-        self.next_free_block: KVCacheBlock | None = None
-        self.is_null = False
-
-
-class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks with sentinel head and tail, in eviction order."""
-
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self.num_free_blocks = len(blocks)
-        self.fake_head = KVCacheBlock(-1)
-        self.fake_tail = KVCacheBlock(-1)
-        previous = self.fake_head
-        for block in blocks:
-            previous.next_free_block = block
-            block.prev_free_block = previous
-            previous = block
-        previous.next_free_block = self.fake_tail
-        self.fake_tail.prev_free_block = previous
-
-    def popleft(self) -> KVCacheBlock:
-        block = self.fake_head.next_free_block
-        if block is None or block is self.fake_tail:
-            raise ValueError("No free blocks available")
-        self.remove(block)
-        return block
-
-    def remove(self, block: KVCacheBlock) -> None:
-        prev, nxt = block.prev_free_block, block.next_free_block
-        if prev is None or nxt is None:
-            raise RuntimeError(f"block {block.block_id} is not in the free queue")
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
-        block.prev_free_block = block.next_free_block = None
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        last = self.fake_tail.prev_free_block
-        assert last is not None
-        last.next_free_block = block
-        block.prev_free_block = last
-        block.next_free_block = self.fake_tail
-        self.fake_tail.prev_free_block = block
-        self.num_free_blocks += 1
-
-    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        for block in reversed(blocks):
-            first = self.fake_head.next_free_block
-            assert first is not None
-            block.prev_free_block = self.fake_head
-            block.next_free_block = first
-            first.prev_free_block = block
-            self.fake_head.next_free_block = block
-            self.num_free_blocks += 1
-
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        out = []
-        block = self.fake_head.next_free_block
-        while block is not None and block is not self.fake_tail:
-            out.append(block)
-            block = block.next_free_block
-        return out
-
-
-class BlockPool:
-    """Blocks, the free queue, the hash-to-blocks map and the event queue."""
-
-    def __init__(self, num_blocks: int, enable_caching: bool, enable_events: bool) -> None:
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        # Key -> {block_id: block}, earliest first; several blocks may share a key.
-        self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
-        self.null_block = self.free_block_queue.popleft()
-        self.null_block.is_null = True
-        self.enable_caching = enable_caching
-        self.kv_event_queue: list[KVCacheEvent] | None = [] if enable_events else None
-        self.evicted: list[int] | None = None  # recorded during a batched step
-        self.external: Any = None  # set by the manager: bytes -> external event hash
-
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
-
-    def get_usage(self) -> float:
-        usable = len(self.blocks) - 1
-        return 0.0 if usable == 0 else 1.0 - self.get_num_free_blocks() / usable
-
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
-        key = block.block_hash
-        if key is None:
-            return
-        block.block_hash = None
-        entry = self.cached_block_hash_to_block.get(key)
-        if entry is None or entry.pop(block.block_id, None) is None:
-            return
-        if not entry:
-            del self.cached_block_hash_to_block[key]
-        if self.evicted is not None:
-            self.evicted.append(block.block_id)
-        if self.kv_event_queue is not None:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=[self.external(key)]))
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        out = []
-        for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            if self.enable_caching:
-                self._maybe_evict_cached_block(block)
-            assert block.ref_cnt == 0
-            block.ref_cnt = 1
-            out.append(block)
-        return out
-
-    def touch(self, blocks: list[KVCacheBlock]) -> None:
-        for block in blocks:
-            if block.is_null:
-                continue
-            if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
-            block.ref_cnt += 1
-
-    def free_blocks(self, ordered_blocks: list[KVCacheBlock]) -> None:
-        front, back = [], []
-        for block in ordered_blocks:
-            if block.is_null:
-                continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if self.enable_caching and block.block_hash is not None:
-                    back.append(block)
-                else:
-                    front.append(block)
-        self.free_block_queue.prepend_n(front)
-        for block in back:
-            self.free_block_queue.append(block)
-
-    def cache_block(self, block: KVCacheBlock, key: bytes) -> None:
-        if block.block_hash is not None or block.is_null:
-            return
-        block.block_hash = key
-        self.cached_block_hash_to_block.setdefault(key, {})[block.block_id] = block
-
-    def reset_prefix_cache(self) -> bool:
-        if len(self.blocks) - self.get_num_free_blocks() != 1:
-            return False
-        self.cached_block_hash_to_block = {}
-        for block in self.blocks:
-            block.block_hash = None
-        if self.kv_event_queue is not None:
-            self.kv_event_queue.append(AllBlocksCleared())
-        return True
-
-    def take_events(self) -> list[KVCacheEvent]:
-        if self.kv_event_queue is None:
-            return []
-        events, self.kv_event_queue = self.kv_event_queue, []
-        return events
+__all__ = [
+    "NULL_BLOCK_ID",
+    "BlockManager",
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "RequestRef",
+]
 
 
 @dataclass
@@ -212,51 +44,6 @@ class _Request:
     num_computed_tokens: int = 0
     running: bool = False
     num_preemptions: int = 0
-
-
-@dataclass
-class _Provenance:
-    tokens: tuple[int, ...]
-    parent: int | None
-    keys: ExtraKeys
-
-
-def _i64s(obj: Any, what: str) -> list[int]:
-    """An int64-valued 1-D array argument as a list (the native glue's rules)."""
-    if isinstance(obj, np.ndarray):
-        if obj.ndim != 1:
-            raise ValueError(f"{what} must be 1-D")
-        if obj.dtype.kind not in "iu":
-            raise TypeError(f"{what} must have an integer dtype")
-        obj = obj.tolist()
-    return [int_arg(v, what) for v in obj]
-
-
-def _checked_buffers(buffers: Any) -> tuple[Any, Any, Any, Any]:
-    arrays = (
-        buffers.block_table,
-        buffers.slot_mapping,
-        buffers.seq_lens,
-        buffers.query_start_loc,
-    )
-    names = ("block_table", "slot_mapping", "seq_lens", "query_start_loc")
-    for array, name, ndim in zip(arrays, names, (2, 1, 1, 1), strict=True):
-        if not isinstance(array, np.ndarray) or array.dtype != np.int32 or array.ndim != ndim:
-            raise TypeError(f"out.{name} must be a {ndim}-D int32 numpy array")
-    for array in arrays:
-        if not array.flags.writeable:
-            raise ValueError("output buffers must be writeable")
-        if not array.flags.c_contiguous:
-            raise ValueError("output buffers must be C-contiguous")
-    return arrays
-
-
-def _untagged(key: tuple[Any, ...]) -> Any:
-    if key[0] == LORA:
-        return key[1]
-    if key[0] == MM:
-        return (key[1], key[2])
-    return key[1]  # cache salt or prompt-embeds digest
 
 
 RequestRef = str | int
@@ -462,43 +249,11 @@ class BlockManager:
             return block_hash
         return block_hash[:n] + bytes(max(len(block_hash) - n, 0))
 
-    def _block_tokens(self, seq: TokenSequence, index: int) -> tuple[int, ...]:
-        b = self.block_size
-        return tuple(seq._all[index * b : (index + 1) * b])
-
-    def _block_keys(self, seq: TokenSequence, index: int) -> ExtraKeys:
-        keys = seq._chain.keys
-        if keys.is_empty():
-            return None
-        b = self.block_size
-        return keys.block_extra_keys(index * b, (index + 1) * b, 0)[0]
-
-    def _provenance_matches(
-        self, seq: TokenSequence, index: int, block: KVCacheBlock, parent: int | None
-    ) -> bool:
-        if not self.verify_tokens:
-            return True
-        p = self._provenance.get(block.block_id)
-        return (
-            p is not None
-            and p.parent == parent
-            and p.tokens == self._block_tokens(seq, index)
-            and p.keys == self._block_keys(seq, index)
-        )
-
-    def _find_cached(
-        self, seq: TokenSequence, index: int, parent: int | None
-    ) -> KVCacheBlock | None:
-        hashes = seq.block_hashes
-        if index >= len(hashes):
-            return None
-        candidates = self.block_pool.cached_block_hash_to_block.get(self._key(hashes[index]))
-        if not candidates:
-            return None
-        for block in candidates.values():
-            if self._provenance_matches(seq, index, block, parent):
-                return block
-        return None
+    # Token verification (verify_tokens=True), in _verify.py.
+    _block_tokens = _verify.block_tokens
+    _block_keys = _verify.block_keys
+    _provenance_matches = _verify.provenance_matches
+    _find_cached = _verify.find_cached
 
     def get_computed_blocks(self, request_id: RequestRef, /) -> tuple[list[int], int]:
         request = self._request(_id_arg(request_id))
@@ -654,23 +409,7 @@ class BlockManager:
             self.block_pool.kv_event_queue.append(self._stored_event(request.seq, done, full))
         request.num_cached_blocks = full
 
-    def _stored_event(self, seq: TokenSequence, done: int, full: int) -> BlockStored:
-        hashes = seq.block_hashes
-        external = self.block_pool.external
-        extra_keys: list[tuple[Any, ...] | None] = []
-        for index in range(done, full):
-            keys = self._block_keys(seq, index)
-            extra_keys.append(None if keys is None else tuple(_untagged(k) for k in keys))
-        lora = seq._chain.keys.lora
-        b = self.block_size
-        return BlockStored(
-            block_hashes=[external(h) for h in hashes[done:full]],
-            parent_block_hash=external(hashes[done - 1]) if done else None,
-            token_ids=seq.get_token_ids()[done * b : full * b],
-            block_size=b,
-            lora_name=lora[0] if lora is not None else None,
-            extra_keys=extra_keys or None,
-        )
+    _stored_event = _events.stored_event  # in _events.py
 
     def free(self, request_id: RequestRef, /) -> None:
         self._free_request(self._request(_id_arg(request_id)))
@@ -700,191 +439,10 @@ class BlockManager:
         self.block_pool.touch(child.blocks)
         return handle
 
-    # ---------------------------------------------------------------- batched
+    # ---------------------------------------------------------------- batched (in _step.py)
 
-    def lookup_batch(self, handles: Any, /) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-        found = [self.get_computed_blocks(h) for h in _i64s(handles, "handles")]
-        return (
-            np.array([len(blocks) for blocks, _ in found], dtype=np.int32),
-            np.array([n for _, n in found], dtype=np.int32),
-        )
-
-    def _plan_step(
-        self,
-        handles: list[int],
-        new: list[int],
-        hits: list[int] | None,
-        tokens: list[int],
-        offsets: list[int] | None,
-        lookahead: int,
-        lookup: list[int] | None = None,
-    ) -> tuple[list[int], int, int]:
-        """The checks of the native ``plan_step``, in the same order; returns the slots, the
-        widest block table after the step and the most tokens it can schedule."""
-        n, b = len(handles), self.block_size
-        for values, what in (
-            (new, "num_new_tokens"),
-            (hits, "num_new_computed_tokens"),
-            (lookup, "prefix_lookup"),
-        ):
-            if values is not None and len(values) != n:
-                raise ValueError(f"{what} has {len(values)} entries for {n} requests")
-        if offsets is None:
-            if tokens:
-                raise ValueError("new_token_ids needs new_token_offsets")
-        elif not (
-            len(offsets) == n + 1
-            and offsets[0] == 0
-            and all(a <= c for a, c in itertools.pairwise(offsets))
-            and offsets[-1] == len(tokens)
-        ):
-            raise ValueError(
-                "new_token_offsets must have one entry per request plus one, start at 0, never "
-                "decrease and end at len(new_token_ids)"
-            )
-        slots = [self._slot(h) for h in handles]
-        if len(set(slots)) != len(slots):
-            raise ValueError("a request appears twice in one step")
-        max_blocks = max_tokens = 0
-        for i, slot in enumerate(slots):
-            request = self._request_at(slot)
-            count, hit = new[i], hits[i] if hits is not None else 0
-            if count < 0:
-                raise ValueError(f"num_new_tokens must be >= 0, got {count}")
-            if hit < 0:
-                raise ValueError(f"num_new_computed_tokens must be >= 0, got {hit}")
-            appended = offsets[i + 1] - offsets[i] if offsets is not None else 0
-            num_tokens = request.seq.num_tokens + appended
-            self._check_model_len(num_tokens)
-            if count == 0 and hit == 0:
-                raise ValueError("num_new_tokens and num_new_computed_tokens are both 0")
-            if hit % b:
-                raise ValueError("num_new_computed_tokens must be a multiple of block_size")
-            if hit and (request.running or request.blocks):
-                raise ValueError("prefix hits can only be added at a request's first allocation")
-            looks_up = lookup is not None and lookup[i] != 0
-            if looks_up and (hit or request.running or request.blocks):
-                raise ValueError("prefix_lookup is for admissions without num_new_computed_tokens")
-            if looks_up:
-                count = min(count, num_tokens - request.num_computed_tokens)
-            local = request.num_computed_tokens + hit
-            if local + count > num_tokens:
-                raise ValueError(
-                    f"cannot schedule {count} new tokens after {local} computed ones: the "
-                    f"request has {num_tokens} tokens (append them first; drafts are lookahead)"
-                )
-            reach = num_tokens if looks_up else min(local, self.max_model_len) + count
-            need = min(reach + lookahead, self.max_model_len)
-            max_blocks = max(max_blocks, -(-need // b), len(request.blocks) + hit // b)
-            max_tokens += count
-        return slots, max_blocks, max_tokens
-
-    def schedule_step(
-        self,
-        handles: Any,
-        num_new_tokens: Any,
-        /,
-        *,
-        num_new_computed_tokens: Any = None,
-        prefix_lookup: Any = None,
-        num_lookahead_tokens: int | None = None,
-        new_token_ids: Any = None,
-        new_token_offsets: Any = None,
-        out: StepBuffers | None = None,
-    ) -> ScheduledStep:
-        """The batched step, defined as the per-request calls it stands for: append each
-        request's accepted tokens, then in order look up (for admissions with hits) and
-        allocate, stopping at the first request that does not fit."""
-        handle_list = _i64s(handles, "handles")
-        new = _i64s(num_new_tokens, "num_new_tokens")
-        hits = (
-            None
-            if num_new_computed_tokens is None
-            else _i64s(num_new_computed_tokens, "num_new_computed_tokens")
-        )
-        lookahead = (
-            0
-            if num_lookahead_tokens is None
-            else size_arg(num_lookahead_tokens, "num_lookahead_tokens", 0)
-        )
-        lookup = None
-        if prefix_lookup is not None:
-            mask = np.asarray(prefix_lookup)
-            lookup = _i64s(
-                mask.astype(np.int64) if mask.dtype.kind == "b" else mask, "prefix_lookup"
-            )
-        tokens = [] if new_token_ids is None else token_ids(new_token_ids)
-        offsets = (
-            None if new_token_offsets is None else _i64s(new_token_offsets, "new_token_offsets")
-        )
-        slots, max_blocks, max_tokens = self._plan_step(
-            handle_list, new, hits, tokens, offsets, lookahead, lookup
-        )
-        n, b = len(slots), self.block_size
-        buffers = out if out is not None else StepBuffers.allocate(n, max_tokens, max_blocks)
-        table, slot_mapping, seq_lens, starts = _checked_buffers(buffers)
-        if not (
-            table.shape[1] >= max_blocks
-            and table.shape[0] >= n
-            and len(slot_mapping) >= max_tokens
-            and len(seq_lens) >= n
-            and len(starts) > n
-        ):
-            raise ValueError(
-                f"output buffers too small: this step needs {n} block-table rows of {max_blocks} "
-                f"columns, {max_tokens} slots, {n} seq_lens and {n + 1} query_start_loc entries"
-            )
-        refs = [self._handle_of(slot) for slot in slots]
-        if offsets is not None:
-            for i, ref in enumerate(refs):
-                self._request(ref).seq.append_token_ids(tokens[offsets[i] : offsets[i + 1]])
-        copies_before = len(self._copies)
-        self.block_pool.evicted = []
-        scheduled = cursor = 0
-        starts[0] = 0
-        for i, ref in enumerate(refs):
-            hit = hits[i] if hits is not None else 0
-            count = new[i]
-            blocks_hit: list[int] = []
-            if lookup is not None and lookup[i]:
-                blocks_hit, hit = self.get_computed_blocks(ref)
-                count = min(count, self.num_tokens(ref) - self.num_computed_tokens(ref) - hit)
-            elif hit:
-                blocks_hit = self.get_computed_blocks(ref)[0]
-                if len(blocks_hit) < hit // b:
-                    break
-                blocks_hit = blocks_hit[: hit // b]
-            allocated = self.allocate_slots(
-                ref,
-                count,
-                num_new_computed_tokens=hit,
-                new_computed_blocks=blocks_hit,
-                num_lookahead_tokens=lookahead,
-            )
-            if allocated is None:
-                break
-            blocks = self.get_block_ids(ref)
-            table[i, :] = 0
-            table[i, : len(blocks)] = blocks
-            end = self.num_computed_tokens(ref)
-            for position in range(end - count, end):
-                slot_mapping[cursor] = blocks[position // b] * b + position % b
-                cursor += 1
-            seq_lens[i] = end
-            starts[i + 1] = cursor
-            scheduled += 1
-        copies, self._copies = self._copies[copies_before:], self._copies[:copies_before]
-        evicted, self.block_pool.evicted = self.block_pool.evicted, None
-        return ScheduledStep(
-            num_scheduled=scheduled,
-            num_scheduled_tokens=cursor,
-            block_table=table[:scheduled],
-            slot_mapping=slot_mapping[:cursor],
-            seq_lens=seq_lens[:scheduled],
-            query_start_loc=starts[: scheduled + 1],
-            block_copies=np.array(copies, dtype=np.int32).reshape(len(copies), 2),
-            evicted_block_ids=np.array(evicted, dtype=np.int32),
-        )
+    lookup_batch = _step.lookup_batch
+    schedule_step = _step.schedule_step
 
     # ---------------------------------------------------------------- pool-wide
 
