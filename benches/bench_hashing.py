@@ -3,7 +3,9 @@
     pytest benches/bench_hashing.py --benchmark-columns=median,iqr,rounds [--ratios-md FILE]
 
 Cases: hash a whole prompt of 1k, 8k and 32k tokens with each algorithm, and decode-style
-appends of one token at a time up to 4k tokens. Variants:
+appends of one token at a time up to 4k tokens. The workloads (lengths, tokens, block size,
+hasher seed) are ``kvblocks.workloads``' hashing workloads, the defaults of
+``kvblocks bench-hashing`` too. Variants:
 
 - ``rust`` / ``rust-numpy``: ``kvblocks.BlockHasher.hash_blocks`` on a list / a uint32 array;
 - ``rust-numpy-array``: ``hash_blocks_array`` on a uint32 array (no Python object per block);
@@ -35,11 +37,16 @@ import xxhash
 import kvblocks
 import kvblocks.reference as ref
 from kvblocks.reference.hashing import BlockChain, RequestKeys
-from kvblocks.workloads import random_prompt
+from kvblocks.workloads import (
+    DECODE_LENGTH,
+    HASHING_BLOCK_SIZE,
+    HASHING_PROMPT_LENGTHS,
+    decode_workload,
+    hashing_hasher,
+    hashing_prompt,
+)
 
-SIZES = [1024, 8192, 32768]
-FLOOR_SIZE = 32768
-SEED = "bench"
+FLOOR_SIZE = max(HASHING_PROMPT_LENGTHS)
 
 
 def _run(
@@ -55,10 +62,10 @@ def _run(
 
 # The variant varies fastest, so each case's variants run back to back (less drift between them).
 @pytest.mark.parametrize("impl", ["rust", "rust-numpy", "rust-numpy-array", "twin", "vllm-loop"])
-@pytest.mark.parametrize("num_tokens", SIZES)
+@pytest.mark.parametrize("num_tokens", HASHING_PROMPT_LENGTHS)
 @pytest.mark.parametrize("algo", kvblocks.HASH_ALGORITHMS)
 def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> None:
-    tokens = random_prompt(num_tokens)
+    tokens = hashing_prompt(num_tokens)
     case = f"hash {num_tokens // 1024}k tokens, {algo}"
     rust_baselines = ["twin", "vllm-loop"]
     if algo == "xxh3_128":  # the fast mode against vLLM's default-portable algorithm
@@ -69,21 +76,21 @@ def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> N
         from_list = [[floor, "list-to-uint32"], digest]
         benchmark.extra_info["floors"] = from_list if impl == "rust" else [digest]
     if impl == "rust":
-        hasher = kvblocks.BlockHasher(algo, seed=SEED)
+        hasher = hashing_hasher(kvblocks, algo)
         _run(benchmark, case, impl, lambda: hasher.hash_blocks(tokens), rust_baselines)
     elif impl == "rust-numpy":
-        hasher = kvblocks.BlockHasher(algo, seed=SEED)
+        hasher = hashing_hasher(kvblocks, algo)
         uint32 = np.array(tokens, dtype=np.uint32)
         _run(benchmark, case, impl, lambda: hasher.hash_blocks(uint32), rust_baselines)
     elif impl == "rust-numpy-array":
-        hasher = kvblocks.BlockHasher(algo, seed=SEED)
+        hasher = hashing_hasher(kvblocks, algo)
         uint32 = np.array(tokens, dtype=np.uint32)
         _run(benchmark, case, impl, lambda: hasher.hash_blocks_array(uint32), rust_baselines)
     elif impl == "twin":
-        twin = ref.BlockHasher(algo, seed=SEED)
+        twin = hashing_hasher(ref, algo)
         _run(benchmark, case, impl, lambda: twin.hash_blocks(tokens), [])
     else:
-        twin = ref.BlockHasher(algo, seed=SEED)
+        twin = hashing_hasher(ref, algo)
         keys = RequestKeys()
         _run(benchmark, case, impl, lambda: BlockChain(twin, keys).extend(tokens), [])
 
@@ -93,24 +100,18 @@ def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> N
 def test_decode_appends(benchmark: Any, impl: str, algo: str) -> None:
     """A 16-token prompt grown to 4k tokens one token per call, as a decode loop does."""
     module = kvblocks if impl == "rust" else ref
-    hasher = module.BlockHasher(algo, seed=SEED)
-    tokens = random_prompt(4096)
-
-    def decode() -> None:
-        seq = module.TokenSequence(tokens[:16], hasher=hasher)
-        for t in tokens[16:]:
-            seq.append_token_ids(t)
-
+    decode = decode_workload(module, hashing_hasher(module, algo))
     baselines = ["twin"] if impl == "rust" else []
-    _run(benchmark, f"decode 4k tokens one at a time, {algo}", impl, decode, baselines)
+    case = f"decode {DECODE_LENGTH // 1024}k tokens one at a time, {algo}"
+    _run(benchmark, case, impl, decode, baselines)
 
 
 def test_twin_and_rust_agree_on_the_benchmark_workload() -> None:
     """The benchmarked variants compute the same hashes (a fast check, runs with the suite)."""
-    tokens = random_prompt(4096)
+    tokens = hashing_prompt(DECODE_LENGTH)
     for algo in kvblocks.HASH_ALGORITHMS:
-        expected = ref.BlockHasher(algo, seed=SEED).hash_blocks(tokens)
-        assert kvblocks.BlockHasher(algo, seed=SEED).hash_blocks(np.array(tokens)) == expected
+        expected = hashing_hasher(ref, algo).hash_blocks(tokens)
+        assert hashing_hasher(kvblocks, algo).hash_blocks(np.array(tokens)) == expected
 
 
 @pytest.mark.parametrize("impl", ["digest-each", "one-buffer"])
@@ -118,10 +119,10 @@ def test_twin_and_rust_agree_on_the_benchmark_workload() -> None:
 def test_floor(benchmark: Any, impl: str, algo: str) -> None:
     """What hashing 32k tokens cannot go below: the digest of each block's exact bytes
     (serialized beforehand, digested in a tight Rust loop), and of all of them as one buffer."""
-    hasher = kvblocks.BlockHasher(algo, seed=SEED)
-    tokens = random_prompt(FLOOR_SIZE)
+    hasher = hashing_hasher(kvblocks, algo)
+    tokens = hashing_prompt(FLOOR_SIZE)
     data, ends = hasher._serialized_blocks(tokens)
-    assert len(ends) == FLOOR_SIZE // 16
+    assert len(ends) == FLOOR_SIZE // HASHING_BLOCK_SIZE
     case = f"floor, {FLOOR_SIZE // 1024}k tokens, {algo}"
     if impl == "digest-each":
         _run(benchmark, case, impl, lambda: hasher._digest_each(data, ends), [])
@@ -133,7 +134,7 @@ def test_floor(benchmark: Any, impl: str, algo: str) -> None:
 @pytest.mark.parametrize("impl", ["list-to-uint32", "xxh3-raw-tokens"])
 def test_token_floor(benchmark: Any, impl: str) -> None:
     """Reading 32k Python ints (CPython's own C loop) and XXH3-128 over the raw tokens."""
-    tokens = random_prompt(FLOOR_SIZE)
+    tokens = hashing_prompt(FLOOR_SIZE)
     case = f"floor, {FLOOR_SIZE // 1024}k tokens"
     if impl == "list-to-uint32":
         _run(benchmark, case, impl, lambda: array.array("I", tokens), [])
@@ -144,9 +145,9 @@ def test_token_floor(benchmark: Any, impl: str) -> None:
 
 def test_serialized_blocks_are_what_is_hashed() -> None:
     """The floor's bytes are the real ones: digesting them gives the hashes themselves."""
-    tokens = random_prompt(1024)
+    tokens = hashing_prompt(1024)
     for algo in kvblocks.HASH_ALGORITHMS:
-        hasher = kvblocks.BlockHasher(algo, seed=SEED)
+        hasher = hashing_hasher(kvblocks, algo)
         data, ends = hasher._serialized_blocks(tokens)
         digest = hashlib.sha256 if hasher.digest_size == 32 else xxhash.xxh3_128
         bounds = [0, *ends.tolist()]

@@ -18,7 +18,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvblocks
-from kvblocks.workloads import random_prompt, shared_prefix_prompts
+from kvblocks.workloads import (
+    DECODE_LENGTH,
+    HASHING_BLOCK_SIZE,
+    HASHING_PROMPT_LENGTHS,
+    decode_workload,
+    hashing_hasher,
+    hashing_prompt,
+    shared_prefix_prompts,
+)
 
 
 def _best_time(fn: Callable[[], object], repeat: int) -> float:
@@ -35,22 +43,16 @@ Workload = Callable[[Any], Callable[[], object]]
 
 def _hash_prompt(algo: str, block_size: int, tokens: list[int]) -> Workload:
     def make(module: Any) -> Callable[[], object]:
-        hasher = module.BlockHasher(algo, block_size=block_size, seed="bench")
+        hasher = hashing_hasher(module, algo, block_size=block_size)
         return lambda: hasher.hash_blocks(tokens)
 
     return make
 
 
-def _decode(algo: str, block_size: int, tokens: list[int]) -> Workload:
+def _decode(algo: str, block_size: int, num_tokens: int) -> Workload:
     def make(module: Any) -> Callable[[], object]:
-        hasher = module.BlockHasher(algo, block_size=block_size, seed="bench")
-
-        def run() -> None:
-            seq = module.TokenSequence(tokens[:16], hasher=hasher)
-            for t in tokens[16:]:
-                seq.append_token_ids(t)
-
-        return run
+        hasher = hashing_hasher(module, algo, block_size=block_size)
+        return decode_workload(module, hasher, num_tokens)
 
     return make
 
@@ -66,21 +68,20 @@ def _twin() -> Any:
     return kvblocks.reference
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench_hashing(args: argparse.Namespace) -> int:
     twin = _twin()
     if twin is None:
         print("note: install kvblocks[reference] (cbor2, xxhash) to compare with the twin")
     cases: list[tuple[str, str, Workload]] = []
     for n in args.tokens:
+        tokens = hashing_prompt(n)
         for algo in args.algo:
-            tokens = random_prompt(n, seed=n)
             cases.append(
                 (f"hash a {n:,}-token prompt", algo, _hash_prompt(algo, args.block_size, tokens))
             )
-    decode_tokens = random_prompt(args.decode_tokens, seed=0)
     for algo in args.algo:
         workload = f"grow to {args.decode_tokens:,} tokens, 1 per call"
-        cases.append((workload, algo, _decode(algo, args.block_size, decode_tokens)))
+        cases.append((workload, algo, _decode(algo, args.block_size, args.decode_tokens)))
 
     rows: list[tuple[str, str, float, float | None]] = []
     for i, (workload, algo, make) in enumerate(cases, 1):
@@ -123,7 +124,7 @@ def _bar(label: str) -> Callable[[int, int], None]:
     return show
 
 
-def bench_engine(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -400,14 +401,16 @@ def parser() -> argparse.ArgumentParser:
         choices=["float32", "float16", "bfloat16"],
         help="weights and KV cache dtype (default float32)",
     )
-    e.set_defaults(func=bench_engine)
+    e.set_defaults(func=bench)
 
     b = sub.add_parser("bench-hashing", help="time block hashing, Rust vs the pure-Python twin")
     b.add_argument(
         "--tokens",
         type=_int_list,
-        default=[1024, 8192, 32768],
-        help="comma-separated prompt lengths (default: 1024,8192,32768)",
+        default=list(HASHING_PROMPT_LENGTHS),
+        help="comma-separated prompt lengths (default: "
+        + ",".join(map(str, HASHING_PROMPT_LENGTHS))
+        + ")",
     )
     b.add_argument(
         "--algo",
@@ -416,15 +419,16 @@ def parser() -> argparse.ArgumentParser:
         default=list(kvblocks.HASH_ALGORITHMS),
         help="hash algorithms (default: all)",
     )
-    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--block-size", type=int, default=HASHING_BLOCK_SIZE)
     b.add_argument(
         "--decode-tokens",
         type=int,
-        default=4096,
-        help="tokens appended one by one in the decode workload (default: 4096)",
+        default=DECODE_LENGTH,
+        help="length the decode workload grows a sequence to, one token per call "
+        "(default: %(default)s)",
     )
     b.add_argument("--repeat", type=int, default=9, help="timed runs per case (best is kept)")
-    b.set_defaults(func=bench)
+    b.set_defaults(func=bench_hashing)
 
     h = sub.add_parser("hash", help="print the block hashes of a JSON list of token ids")
     h.add_argument("file", nargs="?", default="-", help="JSON file (default: stdin)")
