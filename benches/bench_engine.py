@@ -4,19 +4,29 @@ bookkeeping (hashing, block management and scheduling) with the Python twin and 
 core, in the same run, plus the end-to-end speed-up.
 
     pytest benches/bench_engine.py -s --benchmark-columns=median,rounds [--ratios-md FILE]
+
+And the engine's bookkeeping per decode step (``Scheduler.schedule`` and handing over the
+sampled tokens) at 64 and 256 running requests, against the bare ``schedule_step`` call it
+wraps and against the same scheduler on the twin.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
+
+import kvblocks
+import kvblocks.reference
+from kvblocks.scheduler import Scheduler, Sequence
+from kvblocks.workloads import random_prompt
 
 torch = pytest.importorskip("torch", reason="the engine needs the kvblocks[torch] extra")
 
 from kvblocks.engine import LLM, SamplingParams  # noqa: E402
 from kvblocks.model import LlamaConfig  # noqa: E402
-from kvblocks.workloads import random_prompt, shared_prefix_prompts  # noqa: E402
+from kvblocks.workloads import shared_prefix_prompts  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=16)
 SHARES: dict[tuple[int, str], float] = {}
@@ -75,3 +85,66 @@ def test_shared_prefix_workload(benchmark: Any, backend: str) -> None:
     assert stats.prefix_hit_rate > 0.9
     benchmark.extra_info["bookkeeping_share"] = stats.bookkeeping_share
     print(f"\n{case}, {impl}: bookkeeping {stats.bookkeeping_share:.1%} of engine time")
+
+
+class DecodeBatch:
+    """``num_reqs`` sequences of 500 to 2,000 prompt tokens, prefilled through a
+    :class:`~kvblocks.scheduler.Scheduler`, ready for decode steps (one sampled token each)."""
+
+    def __init__(self, module: Any, num_reqs: int, rounds: int) -> None:
+        rng = np.random.default_rng(num_reqs)
+        lengths = rng.integers(500, 2001, size=num_reqs).tolist()
+        capacity = sum(lengths) + num_reqs * (rounds + 2 * BLOCK_SIZE)
+        self.manager = module.BlockManager(capacity // BLOCK_SIZE + 2 * num_reqs, BLOCK_SIZE)
+        self.budget = sum(lengths)
+        self.scheduler = Scheduler(
+            self.manager, max_num_seqs=num_reqs, max_num_batched_tokens=self.budget
+        )
+        for i, n in enumerate(lengths):
+            self.scheduler.add(Sequence(f"req-{i}", random_prompt(n, seed=i), rounds + 10))
+        self.sampled = np.full(num_reqs, 7, dtype=np.int64)
+        self.step()  # the prefill: every prompt in one step
+        assert len(self.scheduler.running) == num_reqs
+
+    def step(self) -> None:
+        """What the engine's bookkeeping does in a decode step: schedule, hand over the
+        sampled tokens."""
+        out = self.scheduler.schedule()
+        assert out is not None and out.step.num_scheduled == len(self.sampled)
+        self.scheduler.update(self.sampled)
+
+    def bare_step(self) -> None:
+        """The one manager call inside :meth:`step`, with the same arguments."""
+        s = self.scheduler
+        step = self.manager.schedule_step(
+            s._running_handles,
+            sampled_token_ids=self.sampled,
+            token_budget=self.budget,
+            preempt=True,
+            out=s._buffers,
+        )
+        assert step.num_scheduled == len(self.sampled)
+
+
+BLOCK_SIZE = 16
+DECODE_ROUNDS = 300
+
+
+@pytest.mark.parametrize("impl", ["bare-schedule_step", "scheduler", "twin-scheduler"])
+@pytest.mark.parametrize("num_reqs", [64, 256])
+def test_decode_step_bookkeeping(benchmark: Any, num_reqs: int, impl: str) -> None:
+    """Engine bookkeeping per decode step (``Scheduler.schedule`` + ``update``) against the
+    bare ``schedule_step`` call it wraps (the floor: target at most 1.5x) and against the same
+    scheduler on the twin."""
+    module = kvblocks.reference if impl.startswith("twin") else kvblocks
+    rounds = DECODE_ROUNDS if module is kvblocks else 20
+    batch = DecodeBatch(module, num_reqs, rounds + 5)
+    case = f"decode step bookkeeping, {num_reqs} running requests"
+    benchmark.group = case
+    info: dict[str, Any] = {"case": case, "impl": impl}
+    if impl == "scheduler":
+        info["baselines"] = [[case, "twin-scheduler"]]
+        info["floors"] = [[case, "bare-schedule_step"]]
+    benchmark.extra_info.update(info)
+    fn = batch.bare_step if impl == "bare-schedule_step" else batch.step
+    benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=3)

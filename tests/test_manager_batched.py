@@ -3,6 +3,7 @@ per-request calls do, and write the paged-attention metadata into int32 arrays."
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Any
 
@@ -212,21 +213,17 @@ def test_bad_out_buffers(impl: ModuleType) -> None:
     m = impl.BlockManager(16, B)
     h = m.add_request("a", list(range(8)))
     good = kvblocks.StepBuffers.allocate(2, 16, 4)
-    wrong_dtype = kvblocks.StepBuffers(
-        good.block_table.astype(np.int64), good.slot_mapping, good.seq_lens, good.query_start_loc
-    )
+    wrong_dtype = dataclasses.replace(good, block_table=good.block_table.astype(np.int64))
     with pytest.raises(TypeError):
         m.schedule_step([h], [8], out=wrong_dtype)
+    int32_ids = dataclasses.replace(good, input_ids=good.input_ids.astype(np.int32))
+    with pytest.raises(TypeError):
+        m.schedule_step([h], [8], out=int32_ids)
     read_only = kvblocks.StepBuffers.allocate(2, 16, 4)
     read_only.slot_mapping.setflags(write=False)
     with pytest.raises(ValueError):
         m.schedule_step([h], [8], out=read_only)
-    strided = kvblocks.StepBuffers(
-        np.zeros((2, 8), dtype=np.int32)[:, ::2],
-        good.slot_mapping,
-        good.seq_lens,
-        good.query_start_loc,
-    )
+    strided = dataclasses.replace(good, block_table=np.zeros((2, 8), dtype=np.int32)[:, ::2])
     with pytest.raises(ValueError):
         m.schedule_step([h], [8], out=strided)
     assert m.get_block_ids(h) == []

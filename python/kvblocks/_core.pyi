@@ -191,7 +191,7 @@ class BlockManager:
     def schedule_step(
         self,
         handles: _IntArray,
-        num_new_tokens: _IntArray,
+        num_new_tokens: _IntArray | None = None,
         /,
         *,
         num_new_computed_tokens: _IntArray | None = None,
@@ -199,6 +199,9 @@ class BlockManager:
         num_lookahead_tokens: int | None = None,
         new_token_ids: _TokenIds | None = None,
         new_token_offsets: _IntArray | None = None,
+        sampled_token_ids: _IntArray | None = None,
+        token_budget: int | None = None,
+        preempt: bool = False,
         out: StepBuffers | None = None,
     ) -> ScheduledStep: ...
     def get_block_ids(self, request_id: _Request, /) -> list[int]: ...

@@ -9,13 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 import kvblocks
 import kvblocks.reference
 from kvblocks.model import LlamaConfig, LlamaForCausalLM, load_pretrained
 from kvblocks.runtime import ModelRunner
-from kvblocks.scheduler import Scheduler, Sequence
+from kvblocks.scheduler import Scheduler, SchedulerOutput, Sequence
+from kvblocks.step import BlockManagerProtocol
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,18 @@ class _Request:
     params: SamplingParams
     samples: list[Sequence] = field(default_factory=list)
 
+    def output(self) -> RequestOutput:
+        first = self.samples[0]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[
+                CompletionOutput(s.sample_index, s.output_token_ids, s.finish_reason)
+                for s in self.samples
+            ],
+            num_cached_tokens=first.num_cached_tokens or 0,
+        )
+
 
 def parse_device(device: str | torch.device) -> torch.device:
     """``device`` as a ``torch.device``; an unknown or absent device is a ``ValueError``."""
@@ -125,9 +140,10 @@ class LLM:
             self.model = model
         else:
             self.model = load_pretrained(model, dtype=dtype, device=device)
-        num_blocks = num_blocks or 4096
+        if num_blocks is None:
+            num_blocks = 4096
         module: Any = kvblocks if backend == "rust" else kvblocks.reference
-        self.manager = module.BlockManager(
+        self.manager: BlockManagerProtocol = module.BlockManager(
             num_blocks,
             block_size,
             enable_caching=enable_prefix_caching,
@@ -140,9 +156,12 @@ class LLM:
         )
         self.stats = EngineStats()
         self._generator = torch.Generator().manual_seed(seed)
+        self._generators: dict[int, torch.Generator] = {}
+        self._owner: dict[int, _Request] = {}
         self._counter = 0
+        self._bookkeeping_in_sampling = 0.0
 
-    def _sample(
+    def _sample_one(
         self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
     ) -> int:
         if params.temperature == 0:
@@ -163,6 +182,24 @@ class LLM:
     ) -> list[RequestOutput]:
         """One result per prompt; ``progress(finished, total)`` is called after each step."""
         params = sampling_params or SamplingParams()
+        start = time.perf_counter()
+        requests = self._add_requests(prompt_token_ids, params)
+        self.stats.bookkeeping_s += time.perf_counter() - start
+        while self.scheduler.has_unfinished():
+            self._step()
+            if progress is not None:
+                finished = sum(all(s.finish_reason for s in r.samples) for r in requests)
+                progress(finished, len(requests))
+        snapshot = self.manager.make_prefix_cache_stats()
+        if snapshot is not None:
+            self.stats.prefix_queries += snapshot.queries + snapshot.preempted_queries
+            self.stats.prefix_hits += snapshot.hits + snapshot.preempted_hits
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        return [r.output() for r in requests]
+
+    def _add_requests(
+        self, prompt_token_ids: list[list[int]] | list[int], params: SamplingParams
+    ) -> list[_Request]:
         nested = bool(prompt_token_ids) and isinstance(prompt_token_ids[0], list)
         raw = prompt_token_ids if nested else [prompt_token_ids]
         prompts = [[int(t) for t in p] for p in raw]  # type: ignore[union-attr, arg-type]
@@ -170,88 +207,101 @@ class LLM:
         for prompt in prompts:
             if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompts must be non-empty token ids in [0, {vocab})")
-        requests: list[_Request] = []
-        generators: dict[int, torch.Generator] = {}
-        owner: dict[int, _Request] = {}
-        start = time.perf_counter()
+        requests = []
         for prompt in prompts:
             request = _Request(f"req-{self._counter}", params)
             self._counter += 1
             seq = Sequence(request.request_id, prompt, params.max_tokens, params.eos_token_id)
             self.scheduler.add(seq)
             request.samples.append(seq)
-            owner[id(seq)] = request
+            self._owner[id(seq)] = request
             requests.append(request)
-        self.stats.bookkeeping_s += time.perf_counter() - start
+        return requests
 
-        while self.scheduler.has_unfinished():
-            t0 = time.perf_counter()
-            out = self.scheduler.schedule()
-            t1 = time.perf_counter()
-            if out is None:
-                raise RuntimeError("the pool cannot hold a single request: raise num_blocks")
-            logits = self.runner.execute(out.step, out.input_ids)
-            fork_s = 0.0
-            for row, seq in enumerate(out.sequences):
-                if seq.num_computed_tokens < seq.num_tokens:
-                    continue  # a prefill chunk: no token yet
-                request = owner[id(seq)]
-                branch = [seq]
-                if len(request.samples) < params.n and seq is request.samples[0]:
-                    f0 = time.perf_counter()
-                    for i in range(1, params.n):  # parallel sampling shares the prompt's blocks
-                        child = Sequence(
-                            f"{request.request_id}-{i}",
-                            seq.prompt_token_ids,
-                            params.max_tokens,
-                            params.eos_token_id,
-                            num_computed_tokens=seq.num_computed_tokens,
-                            num_cached_tokens=seq.num_cached_tokens,
-                            sample_index=i,
-                        )
-                        child.handle = self.manager.fork(seq.handle, child.request_id)
-                        self.scheduler.running.append(child)
-                        request.samples.append(child)
-                        owner[id(child)] = request
-                        branch.append(child)
-                    fork_s += time.perf_counter() - f0
-                for s in branch:
-                    if id(s) not in generators:
-                        generators[id(s)] = (
-                            torch.Generator().manual_seed(params.seed + s.sample_index)
-                            if params.seed is not None
-                            else self._generator
-                        )
-                    token = self._sample(logits[row], params, generators[id(s)])
-                    s.output_token_ids.append(token)
-                    s.pending_token = token
-                    self.stats.generated_tokens += 1
-                    if params.eos_token_id is not None and token == params.eos_token_id:
-                        self.scheduler.finish(s, "stop")
-                    elif len(s.output_token_ids) >= s.max_tokens:
-                        self.scheduler.finish(s, "length")
-            t3 = time.perf_counter()
-            if progress is not None:
-                finished = sum(all(x.finish_reason for x in r.samples) for r in requests)
-                progress(finished, len(requests))
-            self.stats.steps += 1
-            self.stats.bookkeeping_s += (t1 - t0) + fork_s
-            self.stats.model_s += (t3 - t1) - fork_s
+    def _step(self) -> None:
+        """One engine step: schedule (bookkeeping), run the model, sample (with forks and
+        finishing, which are bookkeeping again)."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if out is None:
+            raise RuntimeError("the pool cannot hold a single request: raise num_blocks")
+        logits = self.runner.execute(out.step)
+        self._bookkeeping_in_sampling = 0.0
+        self.scheduler.update(self._sample(out, logits))
+        t2 = time.perf_counter()
+        self.stats.steps += 1
+        self.stats.bookkeeping_s += (t1 - t0) + self._bookkeeping_in_sampling
+        self.stats.model_s += (t2 - t1) - self._bookkeeping_in_sampling
 
-        snapshot = self.manager.make_prefix_cache_stats()
-        if snapshot is not None:
-            self.stats.prefix_queries += snapshot.queries + snapshot.preempted_queries
-            self.stats.prefix_hits += snapshot.hits + snapshot.preempted_hits
-        self.stats.num_preemptions = self.scheduler.num_preemptions
-        return [
-            RequestOutput(
-                request_id=r.request_id,
-                prompt_token_ids=r.samples[0].prompt_token_ids,
-                outputs=[
-                    CompletionOutput(s.sample_index, s.output_token_ids, s.finish_reason)
-                    for s in r.samples
-                ],
-                num_cached_tokens=r.samples[0].num_cached_tokens or 0,
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> npt.NDArray[np.int64]:
+        """Samples a token for every row that reached the end of its sequence (``-1`` for
+        prefill chunks), forks parallel samples at their first token, finishes sequences."""
+        seq_lens = out.step.seq_lens.tolist()
+        sampled = np.full(len(out.sequences), -1, dtype=np.int64)
+        greedy = None
+        for row, seq in enumerate(out.sequences):
+            if seq_lens[row] < seq.num_tokens:
+                continue  # a prefill chunk: no token yet
+            params = self._owner[id(seq)].params
+            if params.temperature == 0 and greedy is None:
+                greedy = logits.argmax(dim=-1).tolist()
+            if greedy is not None and params.temperature == 0:
+                token = int(greedy[row])
+            else:
+                token = self._sample_one(logits[row], params, self._generator_of(seq, params))
+            sampled[row] = token
+            self._fork_samples(seq, logits[row], greedy[row] if greedy is not None else None)
+            self._append(seq, token)
+        return sampled
+
+    def _fork_samples(self, seq: Sequence, logits: torch.Tensor, greedy_token: int | None) -> None:
+        """At its first token, a request with ``n > 1`` forks its other samples; they share
+        the prompt's blocks and sample their own first token from the same logits."""
+        request = self._owner[id(seq)]
+        params = request.params
+        if len(request.samples) >= params.n or seq is not request.samples[0]:
+            return
+        for i in range(1, params.n):
+            child = Sequence(
+                f"{request.request_id}-{i}",
+                seq.prompt_token_ids,
+                params.max_tokens,
+                params.eos_token_id,
+                num_cached_tokens=seq.num_cached_tokens,
+                sample_index=i,
             )
-            for r in requests
-        ]
+            request.samples.append(child)
+            self._owner[id(child)] = request
+            if params.temperature == 0 and greedy_token is not None:
+                token = int(greedy_token)
+            else:
+                token = self._sample_one(logits, params, self._generator_of(child, params))
+            f0 = time.perf_counter()
+            self.scheduler.fork(seq, child, token)
+            self._bookkeeping_in_sampling += time.perf_counter() - f0
+            self._append(child, token)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        """Records a sampled token and finishes the sequence at EOS or its length limit."""
+        seq.output_token_ids.append(token)
+        self.stats.generated_tokens += 1
+        reason = None
+        if seq.eos_token_id is not None and token == seq.eos_token_id:
+            reason = "stop"
+        elif len(seq.output_token_ids) >= seq.max_tokens:
+            reason = "length"
+        if reason is not None:
+            f0 = time.perf_counter()
+            self.scheduler.finish(seq, reason)
+            self._bookkeeping_in_sampling += time.perf_counter() - f0
+
+    def _generator_of(self, seq: Sequence, params: SamplingParams) -> torch.Generator:
+        """Sample ``i`` with a seed draws from its own generator (``seed + i``)."""
+        if params.seed is None:
+            return self._generator
+        generator = self._generators.get(id(seq))
+        if generator is None:
+            generator = torch.Generator().manual_seed(params.seed + seq.sample_index)
+            self._generators[id(seq)] = generator
+        return generator

@@ -132,6 +132,8 @@ class BlockManager:
         self._stats = PrefixCacheStats() if log_stats else None
         self._copies: list[tuple[int, int]] = []
         self._provenance: dict[int, _Provenance] = {}
+        #: The handles of the last step's rows (``sampled_token_ids`` of the next step).
+        self._last_rows: list[int] = []
 
     # ---------------------------------------------------------------- requests
 
@@ -277,10 +279,6 @@ class BlockManager:
                 f"num_new_computed_tokens={hit_tokens} must equal len(new_computed_blocks) * "
                 f"block_size = {len(hits) * self.block_size}"
             )
-        if not hits:
-            return
-        if request.running or request.blocks:
-            raise ValueError("prefix hits can only be added at a request's first allocation")
         hashes = request.seq.block_hashes
         parent = None
         for index, block_id in enumerate(hits):
@@ -331,16 +329,10 @@ class BlockManager:
             else [self._block_id_arg(b) for b in new_computed_blocks]
         )
         request = self._request(request_id)
-        if new == 0 and computed == 0:
-            raise ValueError("num_new_tokens and num_new_computed_tokens are both 0")
+        num_tokens = request.seq.num_tokens
+        self._check_allocation(request, num_tokens, new, computed)
         self._check_hits(request, hit_ids, computed)
         local = request.num_computed_tokens + computed
-        num_tokens = request.seq.num_tokens
-        if local + new > num_tokens:
-            raise ValueError(
-                f"cannot schedule {new} new tokens after {local} computed ones: the request "
-                f"has {num_tokens} tokens (append them first; drafts are lookahead)"
-            )
         b = self.block_size
         pool = self.block_pool
         total = min(local, self.max_model_len)
@@ -378,6 +370,30 @@ class BlockManager:
         if first_admission and self.enable_caching and self._stats is not None:
             self._stats.record(num_tokens, computed, request.num_preemptions > 0)
         return [blk.block_id for blk in new_blocks]
+
+    def _check_allocation(
+        self,
+        request: _Request,
+        num_tokens: int,
+        new: int,
+        computed: int,
+        *,
+        may_be_empty: bool = False,
+    ) -> None:
+        """The rules every allocation obeys (``allocate_slots`` and the batched step):
+        ``num_tokens`` is what the request holds once this call's tokens are appended."""
+        if new == 0 and computed == 0 and not may_be_empty:
+            raise ValueError("num_new_tokens and num_new_computed_tokens are both 0")
+        if computed % self.block_size:
+            raise ValueError("num_new_computed_tokens must be a multiple of block_size")
+        if computed and (request.running or request.blocks):
+            raise ValueError("prefix hits can only be added at a request's first allocation")
+        local = request.num_computed_tokens + computed
+        if local + new > num_tokens:
+            raise ValueError(
+                f"cannot schedule {new} new tokens after {local} computed ones: the request "
+                f"has {num_tokens} tokens (append them first; drafts are lookahead)"
+            )
 
     @staticmethod
     def _block_id_arg(value: Any) -> int:

@@ -50,13 +50,18 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(
-        self, step: ScheduledStep, input_ids: npt.NDArray[np.integer] | torch.Tensor
+        self,
+        step: ScheduledStep,
+        input_ids: npt.NDArray[np.integer] | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``input_ids``: the step's new tokens, request after request (``num_scheduled_tokens``
-        of them). Executes the step's copy-on-write copies first; returns ``[num_scheduled,
-        vocab]`` float32 logits of each request's last new token."""
+        of them; default: the step's own ``input_ids``). Executes the step's copy-on-write
+        copies first; returns ``[num_scheduled, vocab]`` float32 logits of each request's last
+        new token."""
         self.cache.copy_blocks(step.block_copies)
         meta = AttentionMetadata.from_step(step, self.device)
+        if input_ids is None:
+            input_ids = step.input_ids
         ids = torch.as_tensor(input_ids, device=self.device).long()
         if len(ids) != step.num_scheduled_tokens:
             raise ValueError(

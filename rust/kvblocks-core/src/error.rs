@@ -24,6 +24,8 @@ pub enum CoreError {
     InvalidArgument(String),
     /// A requested size could not be allocated.
     OutOfMemory { what: &'static str, bytes: usize },
+    /// An invariant of the core does not hold: a bug in kvblocks, never a bad argument.
+    Internal(&'static str),
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
@@ -48,6 +50,7 @@ impl fmt::Display for CoreError {
             Self::OutOfMemory { what, bytes } => {
                 write!(f, "cannot allocate {bytes} bytes for {what}")
             }
+            Self::Internal(what) => write!(f, "internal error in kvblocks (please report): {what}"),
         }
     }
 }

@@ -22,7 +22,10 @@ pub use hashing::{
     RequestKeys, DEFAULT_SEED, HASH_ALGORITHMS,
 };
 pub use kv_cache_manager::{AllocateArgs, HashSource, KvCacheConfig, KvCacheManager, ManagerEvent};
-pub use manager::{BlockManager, ManagerConfig, StepInput, StepOutput, StepPlan, StepResult};
+pub use manager::{
+    BlockManager, ManagerConfig, PlannedStep, StepBuffers, StepInput, StepOutput, StepResult,
+    StepSizes,
+};
 pub use requests::RequestRef;
 pub use sequence::TokenSequence;
 pub use stats::PrefixCacheStats;

@@ -8,7 +8,7 @@
 
 use kvblocks_core::{
     BlockHasher, BlockManager, ExtraKey, HashAlgo, ManagerConfig, MmFeature, RequestKeys,
-    StepInput, StepOutput, HASH_ALGORITHMS,
+    StepBuffers, StepInput, HASH_ALGORITHMS,
 };
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -16,14 +16,41 @@ use std::sync::Arc;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Add { id: u8, tokens: Vec<u32>, salt: bool },
-    Append { id: u8, tokens: Vec<u32> },
-    Admit { id: u8, chunk: usize, lookahead: usize },
-    Decode { id: u8, token: u32 },
-    Free { id: u8 },
-    Remove { id: u8 },
-    Fork { parent: u8, child: u8 },
-    Step { ids: Vec<u8>, count: i64 },
+    Add {
+        id: u8,
+        tokens: Vec<u32>,
+        salt: bool,
+    },
+    Append {
+        id: u8,
+        tokens: Vec<u32>,
+    },
+    Admit {
+        id: u8,
+        chunk: usize,
+        lookahead: usize,
+    },
+    Decode {
+        id: u8,
+        token: u32,
+    },
+    Free {
+        id: u8,
+    },
+    Remove {
+        id: u8,
+    },
+    Fork {
+        parent: u8,
+        child: u8,
+    },
+    Step {
+        ids: Vec<u8>,
+        count: usize,
+        budget: Option<usize>,
+        preempt: bool,
+        sampled: Vec<Option<u32>>,
+    },
     Reset,
     Drain,
 }
@@ -47,8 +74,20 @@ fn op() -> impl Strategy<Value = Op> {
         id.clone().prop_map(|id| Op::Free { id }),
         id.clone().prop_map(|id| Op::Remove { id }),
         (id.clone(), id.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
-        (prop::collection::vec(id, 0..5), -2i64..4)
-            .prop_map(|(ids, count)| Op::Step { ids, count }),
+        (
+            prop::collection::vec(id, 0..5),
+            0usize..4,
+            prop::option::of(0usize..12),
+            any::<bool>(),
+            prop::collection::vec(prop::option::of(0u32..8), 0..6),
+        )
+            .prop_map(|(ids, count, budget, preempt, sampled)| Op::Step {
+                ids,
+                count,
+                budget,
+                preempt,
+                sampled
+            }),
         Just(Op::Reset),
         Just(Op::Drain),
     ]
@@ -125,22 +164,19 @@ fn apply(m: &mut BlockManager, op: &Op) {
         Op::Fork { parent, child } => {
             let _ = m.fork(name(*parent).as_str(), &name(*child));
         }
-        Op::Step { ids, count } => {
+        Op::Step { ids, count, budget, preempt, sampled } => {
             let handles: Vec<i64> =
                 ids.iter().map(|&id| m.handle(name(id).as_str()).unwrap_or(-1)).collect();
             let counts = vec![*count; handles.len()];
-            let input =
-                StepInput { handles: &handles, num_new_tokens: &counts, ..Default::default() };
-            let (mut table, mut slots) = (vec![0; 5 * 32], vec![0; 32]);
-            let (mut lens, mut starts) = (vec![0; 5], vec![0; 6]);
-            let mut out = StepOutput {
-                block_table: &mut table,
-                width: 32,
-                slot_mapping: &mut slots,
-                seq_lens: &mut lens,
-                query_start_loc: &mut starts,
+            let input = StepInput {
+                handles: &handles,
+                num_new_tokens: Some(&counts),
+                token_budget: *budget,
+                preempt: *preempt,
+                sampled_token_ids: Some(sampled),
+                ..Default::default()
             };
-            let _ = m.schedule_step(&input, &mut out);
+            let _ = m.schedule_step(input, &mut StepBuffers::new(5, 32, 32).output());
         }
         Op::Reset => {
             let _ = m.reset_prefix_cache();

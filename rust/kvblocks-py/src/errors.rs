@@ -1,4 +1,6 @@
-//! The one place where core errors become Python exceptions.
+//! The one place where core errors become Python exceptions, and the glue's one result type:
+//! a `#[pymethods]` function returns [`GlueResult`] and uses `?` on core and Python results
+//! alike.
 
 use kvblocks_core::CoreError;
 use pyo3::create_exception;
@@ -13,7 +15,7 @@ create_exception!(
 );
 
 /// Bad arguments are `ValueError`s (users expect them there); failures of the environment
-/// are `KvBlocksError`.
+/// and broken invariants are `KvBlocksError`.
 pub fn to_py(err: CoreError) -> PyErr {
     match err {
         CoreError::UnknownHashAlgorithm(_)
@@ -24,8 +26,39 @@ pub fn to_py(err: CoreError) -> PyErr {
         CoreError::UnknownRequest(_) | CoreError::DuplicateRequest(_) => {
             PyKeyError::new_err(err.to_string())
         }
-        CoreError::Randomness(_) => KvBlocksError::new_err(err.to_string()),
+        CoreError::Randomness(_) | CoreError::Internal(_) => {
+            KvBlocksError::new_err(err.to_string())
+        }
         CoreError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
+    }
+}
+
+/// A core error or a Python one; becomes a Python exception at the boundary.
+pub enum GlueError {
+    Core(CoreError),
+    Py(PyErr),
+}
+
+pub type GlueResult<T> = Result<T, GlueError>;
+
+impl From<CoreError> for GlueError {
+    fn from(err: CoreError) -> Self {
+        Self::Core(err)
+    }
+}
+
+impl From<PyErr> for GlueError {
+    fn from(err: PyErr) -> Self {
+        Self::Py(err)
+    }
+}
+
+impl From<GlueError> for PyErr {
+    fn from(err: GlueError) -> Self {
+        match err {
+            GlueError::Core(err) => to_py(err),
+            GlueError::Py(err) => err,
+        }
     }
 }
 

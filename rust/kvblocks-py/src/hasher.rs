@@ -3,6 +3,7 @@
 use crate::args::{size_arg, str_arg};
 use crate::errors::to_py;
 use crate::keys::{extract_extra_keys, request_keys};
+use crate::sync::detach_if_large;
 use crate::tokens::{extract_token_ids, extract_token_ids_from};
 use kvblocks_core::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable,
@@ -12,9 +13,6 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use std::sync::Arc;
-
-/// Inputs at least this long are hashed with the GIL released.
-pub const DETACH_MIN_TOKENS: usize = 1024;
 
 /// vLLM's default block size.
 const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -45,7 +43,8 @@ fn parent_arg<'py>(parent: Option<&Bound<'py, PyAny>>) -> PyResult<Option<Bound<
     }
 }
 
-fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
+/// `PYTHONHASHSEED` as the process sees it now (vLLM's seed rule reads it).
+pub fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
     py.import("os")?.getattr("environ")?.call_method1("get", ("PYTHONHASHSEED",))?.extract()
 }
 
@@ -77,14 +76,8 @@ impl PyBlockHasher {
         let keys = request_keys(cache_salt, lora, mm_features)?;
         let tokens = tokens.as_slice().get(offset..).unwrap_or_default();
         let parent = parent.as_ref().map(|p| p.as_bytes());
-        let mut hash = || hasher.hash_blocks_into(tokens, first_block, parent, &keys, sink);
-        if tokens.len() >= DETACH_MIN_TOKENS {
-            // The slice may borrow a numpy array in place: like hashlib reading a buffer
-            // without the GIL, a concurrent writer to that array is the caller's race.
-            py.detach(hash);
-        } else {
-            hash();
-        }
+        let hash = || hasher.hash_blocks_into(tokens, first_block, parent, &keys, sink);
+        detach_if_large(py, tokens.len(), hash);
         Ok(())
     }
 }

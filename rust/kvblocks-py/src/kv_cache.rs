@@ -3,7 +3,8 @@
 //! Called once per vLLM manager call, with the request's own state as arguments; the block
 //! hashes are read from the request's `list[bytes]` in place, only where the call needs them.
 
-use crate::errors::{poisoned, to_py};
+use crate::errors::to_py;
+use crate::sync::lock;
 use kvblocks_core::{
     AllocateArgs, BlockHash, CoreError, CoreResult, HashSource, KvCacheConfig, KvCacheManager,
     ManagerEvent,
@@ -11,7 +12,6 @@ use kvblocks_core::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::MutexExt;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard};
 
@@ -110,7 +110,7 @@ impl PyKvCacheCore {
     }
 
     fn lock(&self) -> PyResult<MutexGuard<'_, KvCacheManager>> {
-        Python::attach(|py| self.inner.lock_py_attached(py)).map_err(|_| poisoned())
+        lock(&self.inner)
     }
 }
 

@@ -9,6 +9,8 @@ mod keys;
 mod kv_cache;
 mod manager;
 mod sequence;
+mod step;
+mod sync;
 mod tokens;
 
 use kvblocks_core::HASH_ALGORITHMS;

@@ -1,21 +1,23 @@
 //! `kvblocks.BlockManager`.
 
 use crate::args::{int_arg, size_arg, str_arg};
-use crate::errors::{poisoned, to_py};
-use crate::hasher::{hash_bytes, hash_list, PyBlockHasher, DETACH_MIN_TOKENS};
+use crate::errors::GlueResult;
+use crate::hasher::{env_seed, hash_bytes, hash_list, PyBlockHasher};
 use crate::ints::extract_i64s;
 use crate::keys::request_keys;
+use crate::step::{mask_arg, optional_size, sampled_arg, sizes_arg, StepArrays};
+use crate::sync::{detach_if_large, lock};
 use crate::tokens::{extract_one_or_many, extract_token_ids};
 use kvblocks_core::pool::{EventKey, KvEvent};
 use kvblocks_core::{
     resolve_seed, BlockHash, BlockHasher, BlockManager, HashAlgo, ManagerConfig, RequestRef,
-    StepInput, StepOutput,
+    StepInput,
 };
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::sync::{MutexExt, PyOnceLock};
-use pyo3::types::{PyBool, PyDict, PyInt, PyList, PySlice, PyString, PyTuple, PyType};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyDict, PyInt, PyList, PyString, PyTuple, PyType};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 #[pyclass(frozen, module = "kvblocks._core", name = "BlockManager")]
@@ -29,10 +31,6 @@ static BLOCK_STORED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static BLOCK_REMOVED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static ALL_BLOCKS_CLEARED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static PREFIX_CACHE_STATS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-static SCHEDULED_STEP: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-
-/// Steps over at least this many requests release the GIL.
-const DETACH_MIN_REQUESTS: usize = 128;
 
 type Int32Array<'py> = Bound<'py, PyArray1<i32>>;
 
@@ -74,10 +72,8 @@ fn block_ids_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 }
 
 impl PyBlockManager {
-    /// Locks the manager; a thread that has to wait detaches from the interpreter, so a
-    /// holder that released the GIL for long work can always finish.
     fn lock(&self) -> PyResult<MutexGuard<'_, BlockManager>> {
-        Python::attach(|py| self.inner.lock_py_attached(py)).map_err(|_| poisoned())
+        lock(&self.inner)
     }
 
     fn external<'py>(&self, py: Python<'py>, hash: &BlockHash) -> PyResult<Bound<'py, PyAny>> {
@@ -169,15 +165,14 @@ impl PyBlockManager {
         verify_tokens: bool,
         events_use_int_block_hashes: bool,
         _debug_key_bytes: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
+    ) -> GlueResult<Self> {
         let num_blocks = size_arg(num_blocks, "num_blocks", 1)?;
         let block_size = size_arg(block_size, "block_size", 1)?;
-        let algo = HashAlgo::from_name(hash_algo).map_err(to_py)?;
+        let algo = HashAlgo::from_name(hash_algo)?;
         let seed =
             hash_seed.filter(|s| !s.is_none()).map(|s| str_arg(s, "hash_seed")).transpose()?;
-        let env = py.import("os")?.getattr("environ")?.call_method1("get", ("PYTHONHASHSEED",))?;
-        let seed = resolve_seed(algo, seed, env.extract()?).map_err(to_py)?;
-        let hasher = Arc::new(BlockHasher::new(algo, block_size, seed).map_err(to_py)?);
+        let seed = resolve_seed(algo, seed, env_seed(py)?)?;
+        let hasher = Arc::new(BlockHasher::new(algo, block_size, seed)?);
         let config = ManagerConfig {
             num_blocks,
             enable_caching,
@@ -194,7 +189,7 @@ impl PyBlockManager {
                 .map(|m| size_arg(m, "_debug_key_bytes", 1))
                 .transpose()?,
         };
-        let manager = BlockManager::new(config, hasher.clone()).map_err(to_py)?;
+        let manager = BlockManager::new(config, hasher.clone())?;
         Ok(Self {
             inner: Mutex::new(manager),
             hasher: Py::new(py, PyBlockHasher { inner: hasher })?,
@@ -208,7 +203,7 @@ impl PyBlockManager {
     }
 
     #[getter]
-    fn num_blocks(&self) -> PyResult<usize> {
+    fn num_blocks(&self) -> GlueResult<usize> {
         Ok(self.lock()?.pool().num_blocks())
     }
 
@@ -218,25 +213,25 @@ impl PyBlockManager {
     }
 
     #[getter]
-    fn enable_caching(&self) -> PyResult<bool> {
+    fn enable_caching(&self) -> GlueResult<bool> {
         Ok(self.lock()?.config().enable_caching)
     }
 
     #[getter]
-    fn num_free_blocks(&self) -> PyResult<usize> {
+    fn num_free_blocks(&self) -> GlueResult<usize> {
         Ok(self.lock()?.num_free_blocks())
     }
 
     #[getter]
-    fn usage(&self) -> PyResult<f64> {
+    fn usage(&self) -> GlueResult<f64> {
         Ok(self.lock()?.usage())
     }
 
-    fn __len__(&self) -> PyResult<usize> {
+    fn __len__(&self) -> GlueResult<usize> {
         Ok(self.lock()?.num_requests())
     }
 
-    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn __contains__(&self, request_id: &Bound<'_, PyAny>) -> GlueResult<bool> {
         let Ok(id) = request_id.extract::<&str>() else { return Ok(false) };
         Ok(self.lock()?.sequence(id).is_ok())
     }
@@ -250,16 +245,14 @@ impl PyBlockManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora: Option<&Bound<'_, PyAny>>,
         mm_features: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<i64> {
+    ) -> GlueResult<i64> {
         let id = new_id_arg(request_id)?;
         let tokens = extract_token_ids(prompt_token_ids)?;
         let keys = request_keys(cache_salt, lora, mm_features)?;
         let tokens = tokens.as_slice();
         let mut manager = self.lock()?;
         let manager = &mut *manager;
-        let add = || manager.add_request(id, tokens, keys);
-        let added = if tokens.len() >= DETACH_MIN_TOKENS { py.detach(add) } else { add() };
-        added.map_err(to_py)
+        Ok(detach_if_large(py, tokens.len(), || manager.add_request(id, tokens, keys))?)
     }
 
     #[pyo3(signature = (request_id, token_ids, /))]
@@ -268,27 +261,25 @@ impl PyBlockManager {
         py: Python<'_>,
         request_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    ) -> GlueResult<()> {
         let id = id_arg(request_id)?;
         let tokens = extract_one_or_many(token_ids)?;
         let tokens = tokens.as_slice();
         let mut manager = self.lock()?;
         let manager = &mut *manager;
-        let mut append = || manager.append_token_ids(id, tokens);
-        let done = if tokens.len() >= DETACH_MIN_TOKENS { py.detach(append) } else { append() };
-        done.map_err(to_py)
+        Ok(detach_if_large(py, tokens.len(), || manager.append_token_ids(id, tokens))?)
     }
 
     #[pyo3(signature = (request_id, /))]
-    fn remove_request(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn remove_request(&self, request_id: &Bound<'_, PyAny>) -> GlueResult<()> {
         let id = id_arg(request_id)?;
-        self.lock()?.remove_request(id).map_err(to_py)
+        Ok(self.lock()?.remove_request(id)?)
     }
 
     #[pyo3(signature = (request_id, /))]
-    fn get_computed_blocks(&self, request_id: &Bound<'_, PyAny>) -> PyResult<(Vec<u32>, usize)> {
+    fn get_computed_blocks(&self, request_id: &Bound<'_, PyAny>) -> GlueResult<(Vec<u32>, usize)> {
         let id = id_arg(request_id)?;
-        self.lock()?.get_computed_blocks(id).map_err(to_py)
+        Ok(self.lock()?.get_computed_blocks(id)?)
     }
 
     #[pyo3(signature = (
@@ -302,7 +293,7 @@ impl PyBlockManager {
         num_new_computed_tokens: Option<&Bound<'_, PyAny>>,
         new_computed_blocks: Option<&Bound<'_, PyAny>>,
         num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Option<Vec<u32>>> {
+    ) -> GlueResult<Option<Vec<u32>>> {
         let id = id_arg(request_id)?;
         let count = |arg: Option<&Bound<'_, PyAny>>, what| match arg {
             Some(v) if !v.is_none() => size_arg(v, what, 0),
@@ -315,26 +306,26 @@ impl PyBlockManager {
             Some(b) if !b.is_none() => block_ids_arg(b)?,
             _ => Vec::new(),
         };
-        self.lock()?.allocate_slots(id, new, computed, &hits, lookahead).map_err(to_py)
+        Ok(self.lock()?.allocate_slots(id, new, computed, &hits, lookahead)?)
     }
 
     #[pyo3(signature = (request_id, /))]
-    fn free(&self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn free(&self, request_id: &Bound<'_, PyAny>) -> GlueResult<()> {
         let id = id_arg(request_id)?;
-        self.lock()?.free(id).map_err(to_py)
+        Ok(self.lock()?.free(id)?)
     }
 
     #[pyo3(signature = (parent_id, child_id, /))]
-    fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<i64> {
+    fn fork(&self, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> GlueResult<i64> {
         let (parent, child) = (id_arg(parent_id)?, new_id_arg(child_id)?);
-        self.lock()?.fork(parent, child).map_err(to_py)
+        Ok(self.lock()?.fork(parent, child)?)
     }
 
     /// The int handle of a request (named by id or handle).
     #[pyo3(signature = (request_id, /))]
-    fn handle(&self, request_id: &Bound<'_, PyAny>) -> PyResult<i64> {
+    fn handle(&self, request_id: &Bound<'_, PyAny>) -> GlueResult<i64> {
         let id = id_arg(request_id)?;
-        self.lock()?.handle(id).map_err(to_py)
+        Ok(self.lock()?.handle(id)?)
     }
 
     /// For each request, how many leading blocks and tokens a prefix lookup finds, as two
@@ -344,144 +335,83 @@ impl PyBlockManager {
         &self,
         py: Python<'py>,
         handles: &Bound<'py, PyAny>,
-    ) -> PyResult<(Int32Array<'py>, Int32Array<'py>)> {
+    ) -> GlueResult<(Int32Array<'py>, Int32Array<'py>)> {
         let handles = extract_i64s(handles, "handles")?;
-        let found = self.lock()?.lookup_batch(handles.as_slice()).map_err(to_py)?;
+        let found = self.lock()?.lookup_batch(handles.as_slice())?;
         let blocks: Vec<i32> = found.iter().map(|&(b, _)| b as i32).collect();
         let tokens: Vec<i32> = found.iter().map(|&(_, t)| t as i32).collect();
         Ok((PyArray1::from_vec(py, blocks), PyArray1::from_vec(py, tokens)))
     }
 
-    /// One scheduler step in one call; see the README ("Batched steps").
+    /// One scheduler step in one call; see docs/step.md.
     #[pyo3(signature = (
-        handles, num_new_tokens, /, *, num_new_computed_tokens = None, prefix_lookup = None,
-        num_lookahead_tokens = None, new_token_ids = None, new_token_offsets = None, out = None,
+        handles, num_new_tokens = None, /, *, num_new_computed_tokens = None,
+        prefix_lookup = None, num_lookahead_tokens = None, new_token_ids = None,
+        new_token_offsets = None, sampled_token_ids = None, token_budget = None, preempt = false,
+        out = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn schedule_step<'py>(
         &self,
         py: Python<'py>,
         handles: &Bound<'py, PyAny>,
-        num_new_tokens: &Bound<'py, PyAny>,
+        num_new_tokens: Option<&Bound<'py, PyAny>>,
         num_new_computed_tokens: Option<&Bound<'py, PyAny>>,
         prefix_lookup: Option<&Bound<'py, PyAny>>,
         num_lookahead_tokens: Option<&Bound<'py, PyAny>>,
         new_token_ids: Option<&Bound<'py, PyAny>>,
         new_token_offsets: Option<&Bound<'py, PyAny>>,
+        sampled_token_ids: Option<&Bound<'py, PyAny>>,
+        token_budget: Option<&Bound<'py, PyAny>>,
+        preempt: bool,
         out: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> GlueResult<Bound<'py, PyAny>> {
         let present = |o: Option<&Bound<'py, PyAny>>| o.filter(|v| !v.is_none()).cloned();
         let handles = extract_i64s(handles, "handles")?;
-        let new_counts = extract_i64s(num_new_tokens, "num_new_tokens")?;
+        let counts =
+            present(num_new_tokens).map(|c| sizes_arg(&c, "num_new_tokens")).transpose()?;
         let hits = present(num_new_computed_tokens)
-            .map(|h| extract_i64s(&h, "num_new_computed_tokens"))
+            .map(|h| sizes_arg(&h, "num_new_computed_tokens"))
             .transpose()?;
-        // A mask: bools (or 0/1 ints), as numpy reads them.
-        let lookup = match present(prefix_lookup) {
-            Some(mask) => {
-                let mask = py.import("numpy")?.call_method1("asarray", (mask,))?;
-                let mask =
-                    match mask.getattr("dtype")?.getattr("kind")?.extract::<String>()?.as_str() {
-                        "b" => mask.call_method1("astype", ("int64",))?,
-                        _ => mask,
-                    };
-                Some(extract_i64s(&mask, "prefix_lookup")?.as_slice().to_vec())
-            }
-            None => None,
-        };
-        let lookahead = match present(num_lookahead_tokens) {
-            Some(l) => size_arg(&l, "num_lookahead_tokens", 0)?,
-            None => 0,
-        };
+        let lookup = present(prefix_lookup).map(|m| mask_arg(&m, "prefix_lookup")).transpose()?;
         let tokens = present(new_token_ids).map(|t| extract_token_ids(&t)).transpose()?;
-        let offsets = present(new_token_offsets)
-            .map(|o| extract_i64s(&o, "new_token_offsets"))
-            .transpose()?;
+        let offsets =
+            present(new_token_offsets).map(|o| sizes_arg(&o, "new_token_offsets")).transpose()?;
+        let sampled = present(sampled_token_ids).map(|t| sampled_arg(&t)).transpose()?;
         let input = StepInput {
             handles: handles.as_slice(),
-            num_new_tokens: new_counts.as_slice(),
-            num_new_computed_tokens: hits.as_ref().map(|h| h.as_slice()),
+            num_new_tokens: counts.as_deref(),
+            num_new_computed_tokens: hits.as_deref(),
             prefix_lookup: lookup.as_deref(),
-            num_lookahead_tokens: lookahead,
+            num_lookahead_tokens: optional_size(num_lookahead_tokens, "num_lookahead_tokens")?,
             new_token_ids: tokens.as_ref().map_or(&[], |t| t.as_slice()),
-            new_token_offsets: offsets.as_ref().map(|o| o.as_slice()),
+            new_token_offsets: offsets.as_deref(),
+            sampled_token_ids: sampled.as_deref(),
+            token_budget: present(token_budget)
+                .map(|b| size_arg(&b, "token_budget", 0))
+                .transpose()?,
+            preempt,
         };
         let mut manager = self.lock()?;
-        let (slots_of_reqs, plan) = manager.plan_step(&input).map_err(to_py)?;
-        let buffers = match present(out) {
-            Some(buffers) => [
-                buffers.getattr("block_table")?,
-                buffers.getattr("slot_mapping")?,
-                buffers.getattr("seq_lens")?,
-                buffers.getattr("query_start_loc")?,
-            ],
-            None => [
-                PyArray2::<i32>::zeros(py, [plan.num_reqs, plan.max_blocks], false).into_any(),
-                PyArray1::<i32>::zeros(py, plan.max_tokens, false).into_any(),
-                PyArray1::<i32>::zeros(py, plan.num_reqs, false).into_any(),
-                PyArray1::<i32>::zeros(py, plan.num_reqs + 1, false).into_any(),
-            ],
+        let planned = manager.plan_step(input)?;
+        let sizes = planned.sizes();
+        let arrays = match present(out) {
+            Some(buffers) => StepArrays::from_buffers(&buffers)?,
+            None => StepArrays::allocate(py, sizes),
         };
-        let [table, slots, lens, starts] = &buffers;
-        let table = table
-            .cast::<PyArray2<i32>>()
-            .map_err(|_| PyTypeError::new_err("out.block_table must be a 2-D int32 numpy array"))?;
-        let width = table.shape().get(1).copied().unwrap_or(0);
-        let one_d = |a: &Bound<'py, PyAny>, what: &str| -> PyResult<Bound<'py, PyArray1<i32>>> {
-            a.cast::<PyArray1<i32>>().cloned().map_err(|_| {
-                PyTypeError::new_err(format!("out.{what} must be a 1-D int32 numpy array"))
-            })
-        };
-        let (slots, lens, starts) = (
-            one_d(slots, "slot_mapping")?,
-            one_d(lens, "seq_lens")?,
-            one_d(starts, "query_start_loc")?,
-        );
-        let contiguous =
-            |e| PyValueError::new_err(format!("output buffers must be C-contiguous: {e}"));
-        let mut table_rw =
-            table.try_readwrite().map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let mut slots_rw =
-            slots.try_readwrite().map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let mut lens_rw = lens.try_readwrite().map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let mut starts_rw =
-            starts.try_readwrite().map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let mut step_out = StepOutput {
-            block_table: table_rw.as_slice_mut().map_err(contiguous)?,
-            width,
-            slot_mapping: slots_rw.as_slice_mut().map_err(contiguous)?,
-            seq_lens: lens_rw.as_slice_mut().map_err(contiguous)?,
-            query_start_loc: starts_rw.as_slice_mut().map_err(contiguous)?,
-        };
-        let core = &mut *manager;
-        let mut run = || core.run_planned_step(&input, &slots_of_reqs, plan, &mut step_out);
-        // Large batches run without the GIL (the arrays are read and written in place, so
-        // another thread must not write to them meanwhile: the caller's race, as in hashlib).
-        let result = if plan.num_reqs >= DETACH_MIN_REQUESTS { py.detach(run) } else { run() };
-        let result = result.map_err(to_py)?;
-        drop((table_rw, slots_rw, lens_rw, starts_rw));
+        let mut views = arrays.borrow()?;
+        let mut step_out = views.output()?;
+        let work = sizes.max_tokens + sizes.num_reqs * sizes.max_blocks;
+        let result = detach_if_large(py, work, || planned.run(&mut step_out))?;
+        drop(views);
         drop(manager);
-        let cut = |a: &Bound<'py, PyAny>, n: usize| a.get_item(PySlice::new(py, 0, n as isize, 1));
-        let n = result.num_scheduled;
-        let copies: Vec<i32> = result.block_copies.iter().flatten().map(|&b| b as i32).collect();
-        let evicted: Vec<i32> = result.evicted_blocks.iter().map(|&b| b as i32).collect();
-        let fields = (
-            n,
-            result.num_scheduled_tokens,
-            cut(table.as_any(), n)?,
-            cut(slots.as_any(), result.num_scheduled_tokens)?,
-            cut(lens.as_any(), n)?,
-            cut(starts.as_any(), n + 1)?,
-            PyArray1::from_vec(py, copies).reshape([result.block_copies.len(), 2])?,
-            PyArray1::from_vec(py, evicted),
-        );
-        SCHEDULED_STEP.import(py, "kvblocks.step", "ScheduledStep")?.call1(fields)
+        Ok(arrays.scheduled_step(py, &result)?)
     }
 
     #[pyo3(signature = (request_id, /))]
-    fn get_block_ids(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    fn get_block_ids(&self, request_id: &Bound<'_, PyAny>) -> GlueResult<Vec<u32>> {
         let id = id_arg(request_id)?;
-        Ok(self.lock()?.block_ids(id).map_err(to_py)?.to_vec())
+        Ok(self.lock()?.block_ids(id)?.to_vec())
     }
 
     #[pyo3(signature = (request_id, /))]
@@ -489,22 +419,22 @@ impl PyBlockManager {
         &self,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
+    ) -> GlueResult<Bound<'py, PyList>> {
         let id = id_arg(request_id)?;
         let manager = self.lock()?;
-        hash_list(py, manager.sequence(id).map_err(to_py)?.block_hashes())
+        Ok(hash_list(py, manager.sequence(id)?.block_hashes())?)
     }
 
     #[pyo3(signature = (request_id, /))]
-    fn num_computed_tokens(&self, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn num_computed_tokens(&self, request_id: &Bound<'_, PyAny>) -> GlueResult<usize> {
         let id = id_arg(request_id)?;
-        self.lock()?.num_computed_tokens(id).map_err(to_py)
+        Ok(self.lock()?.num_computed_tokens(id)?)
     }
 
     #[pyo3(signature = (request_id, /))]
-    fn num_tokens(&self, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn num_tokens(&self, request_id: &Bound<'_, PyAny>) -> GlueResult<usize> {
         let id = id_arg(request_id)?;
-        Ok(self.lock()?.sequence(id).map_err(to_py)?.num_tokens())
+        Ok(self.lock()?.sequence(id)?.num_tokens())
     }
 
     #[pyo3(signature = (request_id, /))]
@@ -512,13 +442,16 @@ impl PyBlockManager {
         &self,
         py: Python<'py>,
         request_id: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
+    ) -> GlueResult<Bound<'py, PyList>> {
         let id = id_arg(request_id)?;
         let manager = self.lock()?;
-        PyList::new(py, manager.sequence(id).map_err(to_py)?.token_ids())
+        Ok(PyList::new(py, manager.sequence(id)?.token_ids())?)
     }
 
-    fn make_prefix_cache_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn make_prefix_cache_stats<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> GlueResult<Option<Bound<'py, PyAny>>> {
         let Some(s) = self.lock()?.make_prefix_cache_stats() else { return Ok(None) };
         let kwargs = PyDict::new(py);
         kwargs.set_item("reset", s.reset)?;
@@ -529,32 +462,32 @@ impl PyBlockManager {
         kwargs.set_item("preempted_queries", s.preempted_queries)?;
         kwargs.set_item("preempted_hits", s.preempted_hits)?;
         let cls = PREFIX_CACHE_STATS.import(py, "kvblocks.stats", "PrefixCacheStats")?;
-        cls.call((), Some(&kwargs)).map(Some)
+        Ok(cls.call((), Some(&kwargs)).map(Some)?)
     }
 
-    fn reset_prefix_cache(&self) -> PyResult<bool> {
+    fn reset_prefix_cache(&self) -> GlueResult<bool> {
         Ok(self.lock()?.reset_prefix_cache())
     }
 
-    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    fn take_events<'py>(&self, py: Python<'py>) -> GlueResult<Bound<'py, PyList>> {
         let events = self.lock()?.take_events();
         let objects = events.iter().map(|e| self.event(py, e)).collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, objects)
+        Ok(PyList::new(py, objects)?)
     }
 
     /// The pending copy-on-write copies as an `(N, 2)` int32 array of `(src, dst)` block ids.
-    fn take_block_copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    fn take_block_copies<'py>(&self, py: Python<'py>) -> GlueResult<Bound<'py, PyArray2<i32>>> {
         let copies = self.lock()?.take_block_copies();
         let flat: Vec<i32> = copies
             .iter()
             .flat_map(|pair| pair.iter().map(|&b| i32::try_from(b).unwrap_or(i32::MAX)))
             .collect();
-        PyArray1::from_vec(py, flat).reshape([copies.len(), 2])
+        Ok(PyArray1::from_vec(py, flat).reshape([copies.len(), 2])?)
     }
 
     /// The pool's internal state, for tests and debugging: the free queue (head first), every
     /// block's reference count and cache key, and the key-to-blocks map.
-    fn debug_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    fn debug_state<'py>(&self, py: Python<'py>) -> GlueResult<Bound<'py, PyDict>> {
         let manager = self.lock()?;
         let pool = manager.pool();
         let state = PyDict::new(py);
@@ -586,7 +519,7 @@ impl PyBlockManager {
         Ok(state)
     }
 
-    fn __repr__(&self) -> PyResult<String> {
+    fn __repr__(&self) -> GlueResult<String> {
         let m = self.lock()?;
         Ok(format!(
             "BlockManager(num_blocks={}, block_size={}, num_free_blocks={}, num_requests={})",

@@ -1,15 +1,15 @@
 //! `kvblocks.TokenSequence`.
 
 use crate::args::size_arg;
-use crate::errors::{poisoned, to_py};
-use crate::hasher::{hash_list, PyBlockHasher, DETACH_MIN_TOKENS};
+use crate::errors::to_py;
+use crate::hasher::{hash_list, PyBlockHasher};
 use crate::keys::request_keys;
+use crate::sync::{detach_if_large, lock};
 use crate::tokens::{extract_one_or_many, extract_token_ids};
 use kvblocks_core::TokenSequence;
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -32,7 +32,7 @@ impl PyTokenSequence {
     /// Locks the sequence; a thread that has to wait detaches from the interpreter, so a
     /// holder that released the GIL for long work can always finish.
     fn lock(&self) -> PyResult<MutexGuard<'_, TokenSequence>> {
-        Python::attach(|py| self.inner.lock_py_attached(py)).map_err(|_| poisoned())
+        lock(&self.inner)
     }
 }
 
@@ -53,7 +53,7 @@ impl PyTokenSequence {
         let core_hasher = hasher.get().inner.clone();
         let tokens = tokens.as_slice();
         let build = || TokenSequence::new(core_hasher, tokens, keys);
-        let seq = if tokens.len() >= DETACH_MIN_TOKENS { py.detach(build) } else { build() };
+        let seq = detach_if_large(py, tokens.len(), build);
         let seq = seq.map_err(to_py)?;
         Ok(Self { prompt: seq.prompt().clone(), inner: Mutex::new(seq), hasher: hasher.unbind() })
     }
@@ -65,11 +65,7 @@ impl PyTokenSequence {
         let tokens = tokens.as_slice();
         let mut seq = self.lock()?;
         let seq = &mut *seq;
-        if tokens.len() >= DETACH_MIN_TOKENS {
-            py.detach(|| seq.append_token_ids(tokens));
-        } else {
-            seq.append_token_ids(tokens);
-        }
+        detach_if_large(py, tokens.len(), || seq.append_token_ids(tokens));
         Ok(())
     }
 

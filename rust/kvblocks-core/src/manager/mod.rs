@@ -1,0 +1,550 @@
+//! The KV-cache block manager: per-request token buffers and block tables over one
+//! [`BlockPool`], with vLLM 0.33's `KVCacheManager` rules for a single full-attention group,
+//! plus copy-on-write forks and token-verified prefix hits.
+//!
+//! The manager is the one owner of each request's state (tokens, computed tokens, block table,
+//! handle). This file holds the per-request operations and the allocation rule they share with
+//! the batched step ([`step`]); prefix lookup and hit checks are in `verify`, block
+//! registration and its events in `events`.
+
+mod events;
+mod step;
+mod verify;
+
+use crate::pool::{BlockPool, KvEvent};
+use crate::requests::{RequestRef, Slab};
+use crate::{BlockHasher, CoreError, CoreResult, PrefixCacheStats};
+use crate::{RequestKeys, TokenSequence};
+use events::CacheContext;
+use std::sync::Arc;
+pub use step::{PlannedStep, StepBuffers, StepInput, StepOutput, StepResult, StepSizes};
+use verify::Provenance;
+
+/// How a manager is built; see [`BlockManager::new`]. The default has prefix caching and
+/// statistics on, everything else off, and no blocks: set `num_blocks`.
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    pub num_blocks: usize,
+    pub enable_caching: bool,
+    pub max_model_len: Option<usize>,
+    /// Fraction of the blocks kept free when admitting a request while others run.
+    pub watermark: f64,
+    pub log_stats: bool,
+    pub enable_events: bool,
+    /// Accept a prefix hit only when the block's tokens, parent and extra keys match.
+    pub verify_tokens: bool,
+    /// Testing only: register blocks under the first `n` bytes of their hash (the rest
+    /// zeroed), so that unrelated blocks collide.
+    pub debug_key_bytes: Option<usize>,
+}
+
+impl Default for ManagerConfig {
+    fn default() -> Self {
+        Self {
+            num_blocks: 0,
+            enable_caching: true,
+            max_model_len: None,
+            watermark: 0.0,
+            log_stats: true,
+            enable_events: false,
+            verify_tokens: false,
+            debug_key_bytes: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Request {
+    seq: TokenSequence,
+    blocks: Vec<u32>,
+    /// Leading blocks already registered in the cache (vLLM's `num_cached_block`).
+    num_cached_blocks: usize,
+    num_computed_tokens: usize,
+    /// Holds an allocation (scheduled since its last `free`).
+    running: bool,
+    num_preemptions: u32,
+}
+
+impl Request {
+    /// Holds an allocation or blocks (prefix hits are only taken at a first allocation).
+    fn holds_blocks(&self) -> bool {
+        self.running || !self.blocks.is_empty()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct BlockManager {
+    config: ManagerConfig,
+    hasher: Arc<BlockHasher>,
+    block_size: usize,
+    max_model_len: usize,
+    watermark_blocks: usize,
+    pool: BlockPool,
+    requests: Slab<Request>,
+    stats: Option<PrefixCacheStats>,
+    copies: Vec<[u32; 2]>,
+    provenance: Option<Provenance>,
+    /// The handles of the last step's rows, in order: `sampled_token_ids` of the next step
+    /// are theirs.
+    last_rows: Vec<i64>,
+}
+
+fn invalid(msg: impl Into<String>) -> CoreError {
+    CoreError::InvalidArgument(msg.into())
+}
+
+impl BlockManager {
+    /// `config.num_blocks` includes the null block (id 0), as in vLLM.
+    pub fn new(config: ManagerConfig, hasher: Arc<BlockHasher>) -> CoreResult<Self> {
+        let num_blocks = u32::try_from(config.num_blocks)
+            .ok()
+            .filter(|n| *n >= 1 && *n < u32::MAX)
+            .ok_or(CoreError::InvalidSize { what: "num_blocks", value: config.num_blocks })?;
+        let block_size = hasher.block_size();
+        // Slot ids (block * block_size + offset) travel as int32, as in paged-attention kernels.
+        if config.num_blocks.checked_mul(block_size).is_none_or(|slots| slots > i32::MAX as usize) {
+            return Err(invalid(format!(
+                "num_blocks * block_size = {} * {block_size} exceeds the int32 slot range",
+                config.num_blocks
+            )));
+        }
+        if !(0.0..=1.0).contains(&config.watermark) {
+            return Err(invalid(format!("watermark must be in [0, 1], got {}", config.watermark)));
+        }
+        if config.max_model_len == Some(0) {
+            return Err(CoreError::InvalidSize { what: "max_model_len (must be >= 1)", value: 0 });
+        }
+        let provenance = match config.verify_tokens {
+            true => Some(Provenance::new(config.num_blocks, block_size)?),
+            false => None,
+        };
+        Ok(Self {
+            pool: BlockPool::new(num_blocks, config.enable_caching, config.enable_events)?,
+            watermark_blocks: (config.watermark * config.num_blocks as f64) as usize,
+            max_model_len: config.max_model_len.unwrap_or(usize::MAX),
+            stats: config.log_stats.then(PrefixCacheStats::default),
+            block_size,
+            hasher,
+            requests: Slab::default(),
+            copies: Vec::new(),
+            provenance,
+            last_rows: Vec::new(),
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &ManagerConfig {
+        &self.config
+    }
+
+    pub fn hasher(&self) -> &Arc<BlockHasher> {
+        &self.hasher
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    fn slot<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<usize> {
+        self.requests.slot(request.into())
+    }
+
+    fn request<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<&Request> {
+        self.request_at(self.slot(request)?)
+    }
+
+    /// The request in a slot that [`Self::slot`] returned.
+    fn request_at(&self, slot: usize) -> CoreResult<&Request> {
+        self.requests.get(slot).ok_or(CoreError::Internal("a live handle's slot is empty"))
+    }
+
+    fn check_model_len(&self, num_tokens: usize) -> CoreResult<()> {
+        if num_tokens > self.max_model_len {
+            return Err(invalid(format!(
+                "the request would hold {num_tokens} tokens, more than max_model_len={}",
+                self.max_model_len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Adds a request and returns its handle.
+    pub fn add_request(&mut self, id: &str, prompt: &[u32], keys: RequestKeys) -> CoreResult<i64> {
+        if self.requests.contains_id(id) {
+            return Err(CoreError::DuplicateRequest(id.to_owned()));
+        }
+        self.check_model_len(prompt.len())?;
+        let seq = TokenSequence::new(self.hasher.clone(), prompt, keys)?;
+        let request = Request {
+            seq,
+            blocks: Vec::new(),
+            num_cached_blocks: 0,
+            num_computed_tokens: 0,
+            running: false,
+            num_preemptions: 0,
+        };
+        Ok(self.requests.insert(id, request)?.1)
+    }
+
+    /// Appends accepted output tokens; their full blocks are hashed at once.
+    pub fn append_token_ids<'a>(
+        &mut self,
+        request: impl Into<RequestRef<'a>>,
+        tokens: &[u32],
+    ) -> CoreResult<()> {
+        let slot = self.slot(request)?;
+        let num_tokens = self.requests.get(slot).map_or(0, |r| r.seq.num_tokens());
+        self.check_model_len(num_tokens.saturating_add(tokens.len()))?;
+        if let Some(request) = self.requests.get_mut(slot) {
+            request.seq.append_token_ids(tokens);
+        }
+        Ok(())
+    }
+
+    /// Frees the request's blocks and forgets it.
+    pub fn remove_request<'a>(&mut self, request: impl Into<RequestRef<'a>>) -> CoreResult<()> {
+        let slot = self.slot(request)?;
+        self.free_slot(slot);
+        self.requests.remove(slot);
+        Ok(())
+    }
+
+    pub fn sequence<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<&TokenSequence> {
+        Ok(&self.request(request)?.seq)
+    }
+
+    pub fn block_ids<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<&[u32]> {
+        Ok(&self.request(request)?.blocks)
+    }
+
+    pub fn num_computed_tokens<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<usize> {
+        Ok(self.request(request)?.num_computed_tokens)
+    }
+
+    /// The handle of a request named by id (or the same handle, checked).
+    pub fn handle<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<i64> {
+        Ok(self.requests.handle(self.slot(request)?))
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// `(id, handle, block table)` of every request.
+    pub fn block_tables(&self) -> impl Iterator<Item = (&str, i64, &[u32])> {
+        self.requests.iter().map(|(id, h, r)| (id, h, r.blocks.as_slice()))
+    }
+
+    /// vLLM's `get_computed_blocks`: the longest cached prefix, capped so that at least the
+    /// last token is computed. Takes no references.
+    pub fn get_computed_blocks<'a>(
+        &self,
+        request: impl Into<RequestRef<'a>>,
+    ) -> CoreResult<(Vec<u32>, usize)> {
+        let hits = self.computed_blocks(self.request(request)?);
+        let num_tokens = hits.len() * self.block_size;
+        Ok((hits, num_tokens))
+    }
+
+    /// The rules every allocation obeys, for `allocate_slots` and the batched step alike:
+    /// `num_tokens` is what the request holds once this call's tokens are appended. With
+    /// `may_be_empty` (a step with a token budget) nothing to compute is a skip, not an error.
+    fn check_allocation(
+        &self,
+        request: &Request,
+        num_tokens: usize,
+        num_new_tokens: usize,
+        num_new_computed_tokens: usize,
+        may_be_empty: bool,
+    ) -> CoreResult<()> {
+        if num_new_tokens == 0 && num_new_computed_tokens == 0 && !may_be_empty {
+            return Err(invalid("num_new_tokens and num_new_computed_tokens are both 0"));
+        }
+        if num_new_computed_tokens % self.block_size != 0 {
+            return Err(invalid("num_new_computed_tokens must be a multiple of block_size"));
+        }
+        if num_new_computed_tokens > 0 && request.holds_blocks() {
+            return Err(invalid("prefix hits can only be added at a request's first allocation"));
+        }
+        let local = request.num_computed_tokens + num_new_computed_tokens;
+        if local.saturating_add(num_new_tokens) > num_tokens {
+            return Err(invalid(format!(
+                "cannot schedule {num_new_tokens} new tokens after {local} computed ones: the \
+                 request has {num_tokens} tokens (append them first; drafts are lookahead)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// vLLM's `allocate_slots` for one group. Returns the newly allocated block ids, or `None`
+    /// (with nothing changed) when the pool cannot provide them.
+    pub fn allocate_slots<'a>(
+        &mut self,
+        request: impl Into<RequestRef<'a>>,
+        num_new_tokens: usize,
+        num_new_computed_tokens: usize,
+        new_computed_blocks: &[u32],
+        num_lookahead_tokens: usize,
+    ) -> CoreResult<Option<Vec<u32>>> {
+        let slot = self.slot(request)?;
+        let request = self.request_at(slot)?;
+        let num_tokens = request.seq.num_tokens();
+        self.check_allocation(request, num_tokens, num_new_tokens, num_new_computed_tokens, false)?;
+        // Caller-supplied hits are checked here; the batched step looks its hits up itself.
+        self.check_hits(request, new_computed_blocks, num_new_computed_tokens)?;
+        let before = request.blocks.len() + new_computed_blocks.len();
+        let allocated = self.allocate_in(
+            slot,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+        )?;
+        if !allocated {
+            return Ok(None);
+        }
+        Ok(Some(self.request_at(slot)?.blocks.get(before..).unwrap_or_default().to_vec()))
+    }
+
+    /// `allocate_slots` once [`Self::check_allocation`] and the hit checks passed: true when
+    /// it allocated, false (nothing changed) when the pool cannot provide the blocks.
+    fn allocate_in(
+        &mut self,
+        slot: usize,
+        num_new_tokens: usize,
+        num_new_computed_tokens: usize,
+        new_computed_blocks: &[u32],
+        num_lookahead_tokens: usize,
+    ) -> CoreResult<bool> {
+        let b = self.block_size;
+        let request = self.request_at(slot)?;
+        let local = request.num_computed_tokens + num_new_computed_tokens;
+        let num_tokens = request.seq.num_tokens();
+        debug_assert!(local + num_new_tokens <= num_tokens && num_new_computed_tokens % b == 0);
+        let total = local.min(self.max_model_len);
+        let need = total
+            .saturating_add(num_new_tokens)
+            .saturating_add(num_lookahead_tokens)
+            .min(self.max_model_len);
+        let target = need.div_ceil(b);
+        let held = request.blocks.len();
+        let hits = new_computed_blocks;
+        let evictable_hits = hits.iter().filter(|&&h| self.pool.ref_cnt(h) == 0).count();
+        // Copy-on-write: every held block that this step writes into and that a fork shares.
+        let written = local / b..(local + num_new_tokens).div_ceil(b).min(held);
+        let shared = |pool: &BlockPool, blocks: &[u32], i: usize| {
+            blocks.get(i).is_some_and(|&blk| pool.ref_cnt(blk) > 1)
+        };
+        let num_cow = written.clone().filter(|&i| shared(&self.pool, &request.blocks, i)).count();
+        let in_use = self.pool.num_blocks() - 1 - self.pool.num_free_blocks();
+        let watermark = if !request.running && in_use > 0 { self.watermark_blocks } else { 0 };
+        let needed = target.saturating_sub(hits.len() + held) + evictable_hits + num_cow;
+        if needed + watermark > self.pool.num_free_blocks() {
+            return Ok(false);
+        }
+
+        // Nothing has changed up to here; from now on the allocation succeeds.
+        let request = self.requests.get_mut(slot).ok_or(CoreError::Internal("no request"))?;
+        let pool = &mut self.pool;
+        let first_admission = !request.running;
+        for index in written {
+            if !shared(pool, &request.blocks, index) {
+                continue;
+            }
+            let fresh = pool.get_new_blocks(1);
+            let (Some(&dst), Some(slot)) = (fresh.first(), request.blocks.get_mut(index)) else {
+                return Err(CoreError::Internal("copy-on-write found no free block"));
+            };
+            if index * b < local {
+                self.copies.push([*slot, dst]);
+            }
+            pool.release_shared(*slot);
+            *slot = dst;
+        }
+        if !hits.is_empty() {
+            pool.touch(hits);
+            request.blocks.extend_from_slice(hits);
+            request.num_cached_blocks = request.blocks.len();
+        }
+        let new_blocks = pool.get_new_blocks(target.saturating_sub(request.blocks.len()));
+        debug_assert!(request.blocks.len() + new_blocks.len() >= target);
+        request.blocks.extend_from_slice(&new_blocks);
+        request.num_computed_tokens = local + num_new_tokens;
+        request.running = true;
+        if self.config.enable_caching {
+            let context = CacheContext {
+                pool,
+                provenance: &mut self.provenance,
+                debug_key_bytes: self.config.debug_key_bytes,
+            };
+            context.cache_blocks(request, (total + num_new_tokens).min(num_tokens), b);
+            if first_admission {
+                if let Some(stats) = &mut self.stats {
+                    stats.record(num_tokens, num_new_computed_tokens, request.num_preemptions > 0);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Releases the request's blocks (tail first) and resets its computed tokens; its tokens
+    /// and hashes stay, so it can be scheduled again and hit its own blocks. A request
+    /// without blocks is left as it is.
+    pub fn free<'a>(&mut self, request: impl Into<RequestRef<'a>>) -> CoreResult<()> {
+        let slot = self.slot(request)?;
+        self.free_slot(slot);
+        Ok(())
+    }
+
+    fn free_slot(&mut self, slot: usize) {
+        let Some(request) = self.requests.get_mut(slot) else { return };
+        if !request.blocks.is_empty() {
+            request.num_preemptions += 1;
+        }
+        let blocks = std::mem::take(&mut request.blocks);
+        request.num_cached_blocks = 0;
+        request.num_computed_tokens = 0;
+        request.running = false;
+        self.pool.free_blocks(blocks.iter().rev().copied());
+    }
+
+    /// Parallel sampling: `child` starts as a copy of `parent` sharing all its blocks.
+    /// Returns the child's handle.
+    pub fn fork<'a>(&mut self, parent: impl Into<RequestRef<'a>>, child: &str) -> CoreResult<i64> {
+        if self.requests.contains_id(child) {
+            return Err(CoreError::DuplicateRequest(child.to_owned()));
+        }
+        let mut copy = self.request(parent)?.clone();
+        copy.num_preemptions = 0;
+        let blocks = copy.blocks.clone();
+        let (_, handle) = self.requests.insert(child, copy)?;
+        self.pool.touch(&blocks);
+        Ok(handle)
+    }
+
+    /// For each request, the number of leading blocks and tokens a prefix lookup finds.
+    pub fn lookup_batch(&self, handles: &[i64]) -> CoreResult<Vec<(usize, usize)>> {
+        let mut out = Vec::with_capacity(handles.len());
+        for &handle in handles {
+            let (blocks, tokens) = self.get_computed_blocks(handle)?;
+            out.push((blocks.len(), tokens));
+        }
+        Ok(out)
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free_blocks()
+    }
+
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// The statistics since the last call (a fresh record starts), or `None` without stats.
+    pub fn make_prefix_cache_stats(&mut self) -> Option<PrefixCacheStats> {
+        self.stats.as_mut().map(std::mem::take)
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let done = self.pool.reset_prefix_cache();
+        if done {
+            if let Some(stats) = &mut self.stats {
+                stats.reset = true;
+            }
+        }
+        done
+    }
+
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_events()
+    }
+
+    /// The `(src, dst)` block copies queued by copy-on-write since the last call.
+    pub fn take_block_copies(&mut self) -> Vec<[u32; 2]> {
+        std::mem::take(&mut self.copies)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::{HashAlgo, DEFAULT_SEED};
+
+    fn manager(num_blocks: usize, block_size: usize) -> BlockManager {
+        let hasher =
+            BlockHasher::new(HashAlgo::Sha256Cbor, block_size, DEFAULT_SEED.to_owned()).unwrap();
+        let config = ManagerConfig {
+            num_blocks,
+            enable_caching: true,
+            max_model_len: None,
+            watermark: 0.0,
+            log_stats: true,
+            enable_events: true,
+            verify_tokens: false,
+            debug_key_bytes: None,
+        };
+        BlockManager::new(config, Arc::new(hasher)).unwrap()
+    }
+
+    fn admit(m: &mut BlockManager, id: &str, tokens: &[u32]) -> Option<Vec<u32>> {
+        m.add_request(id, tokens, RequestKeys::default()).unwrap();
+        let (hits, n) = m.get_computed_blocks(id).unwrap();
+        m.allocate_slots(id, tokens.len() - n, n, &hits, 0).unwrap()
+    }
+
+    fn free_ids(m: &BlockManager) -> Vec<u32> {
+        m.pool().free_block_ids().collect()
+    }
+
+    #[test]
+    fn worked_trace_of_vllm_semantics() {
+        // docs/semantics.md §3.9: N = 11, B = 16.
+        let mut m = manager(11, 16);
+        let common: Vec<u32> = (1000..1048).collect();
+        let with = |tail: std::ops::Range<u32>| [common.clone(), tail.collect()].concat();
+        assert_eq!(admit(&mut m, "r0", &with(0..7)), Some(vec![1, 2, 3, 4]));
+        assert_eq!(admit(&mut m, "r1", &with(100..105)), Some(vec![5]));
+        assert_eq!((1..6).map(|b| m.pool().ref_cnt(b)).collect::<Vec<_>>(), [2, 2, 2, 1, 1]);
+        m.free("r0").unwrap();
+        m.free("r1").unwrap();
+        assert_eq!(free_ids(&m), [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]);
+        assert_eq!(admit(&mut m, "r2", &with(200..206)), Some(vec![5]));
+        m.free("r2").unwrap();
+        m.take_events();
+        let fresh: Vec<u32> = (5000..5160).collect();
+        assert_eq!(admit(&mut m, "r3", &fresh), Some(vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1]));
+        assert!(free_ids(&m).is_empty());
+        let removed =
+            m.take_events().iter().filter(|e| matches!(e, KvEvent::BlockRemoved(_))).count();
+        assert_eq!(removed, 3);
+    }
+
+    #[test]
+    fn refused_allocation_changes_nothing_and_errors_are_typed() {
+        let mut m = manager(4, 4);
+        assert_eq!(admit(&mut m, "a", &[1, 2, 3, 4, 5, 6, 7, 8]), Some(vec![1, 2]));
+        let before = free_ids(&m);
+        m.add_request("b", &[9; 12], RequestKeys::default()).unwrap();
+        assert_eq!(m.allocate_slots("b", 12, 0, &[], 0), Ok(None));
+        assert_eq!(free_ids(&m), before);
+        assert!(matches!(m.allocate_slots("zz", 1, 0, &[], 0), Err(CoreError::UnknownRequest(_))));
+        assert!(matches!(
+            m.add_request("a", &[1], RequestKeys::default()),
+            Err(CoreError::DuplicateRequest(_))
+        ));
+        assert!(matches!(m.allocate_slots("b", 13, 0, &[], 0), Err(CoreError::InvalidArgument(_))));
+        assert!(matches!(m.allocate_slots("b", 1, 4, &[0], 0), Err(CoreError::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn fork_copies_a_shared_partial_block_on_write() {
+        let mut m = manager(10, 4);
+        admit(&mut m, "p", &[1, 2, 3, 4, 5, 6]);
+        m.fork("p", "c").unwrap();
+        m.append_token_ids("c", &[7]).unwrap();
+        assert_eq!(m.allocate_slots("c", 1, 0, &[], 0), Ok(Some(vec![])));
+        assert_eq!(m.take_block_copies(), [[2, 3]]);
+        assert_eq!(m.block_ids("c").unwrap(), [1, 3]);
+        assert_eq!(m.pool().ref_cnt(1), 2);
+    }
+}

@@ -1,0 +1,167 @@
+//! Prefix lookup and the checks on prefix hits: which cached block serves block `i` of a
+//! request, and (with `verify_tokens`) the provenance that proves it holds the same tokens.
+
+use super::{invalid, BlockManager, Request};
+use crate::hashing::native;
+use crate::pool::NULL_BLOCK;
+use crate::{try_filled, BlockHash, CoreResult, ExtraKey, TokenSequence};
+
+/// The parent of a first block.
+pub(super) const NO_PARENT: u32 = u32::MAX;
+
+/// What a verifying manager remembers of each cached block.
+#[derive(Debug, Clone)]
+pub(super) struct Provenance {
+    tokens: Vec<u32>,
+    parent: Vec<u32>,
+    keys: Vec<Option<Box<[u8]>>>,
+}
+
+impl Provenance {
+    pub(super) fn new(num_blocks: usize, block_size: usize) -> CoreResult<Self> {
+        Ok(Self {
+            tokens: try_filled(num_blocks * block_size, 0, "verified block tokens")?,
+            parent: try_filled(num_blocks, NO_PARENT, "verified block parents")?,
+            keys: try_filled(num_blocks, None, "verified block keys")?,
+        })
+    }
+
+    /// Remembers that `block` now holds block `index` of `request`.
+    pub(super) fn record(&mut self, request: &Request, index: usize, block: u32, b: usize) {
+        let start = block as usize * b;
+        if let Some(slot) = self.tokens.get_mut(start..start + b) {
+            let tokens = request.seq.tokens_in(index * b, (index + 1) * b);
+            slot.iter_mut().zip(tokens).for_each(|(s, t)| *s = t);
+        }
+        let parent = index.checked_sub(1).and_then(|i| request.blocks.get(i)).copied();
+        if let Some(slot) = self.parent.get_mut(block as usize) {
+            *slot = parent.unwrap_or(NO_PARENT);
+        }
+        if let Some(slot) = self.keys.get_mut(block as usize) {
+            *slot = block_key_bytes(&request.seq, index, b);
+        }
+    }
+
+    /// True when `block` holds exactly block `index` of `seq` after `parent`.
+    fn matches(
+        &self,
+        seq: &TokenSequence,
+        index: usize,
+        block: u32,
+        parent: u32,
+        b: usize,
+    ) -> bool {
+        let start = block as usize * b;
+        let stored = self.tokens.get(start..start + b).unwrap_or_default();
+        self.parent.get(block as usize) == Some(&parent)
+            && stored.iter().copied().eq(seq.tokens_in(index * b, (index + 1) * b))
+            && self.keys.get(block as usize).cloned().flatten() == block_key_bytes(seq, index, b)
+    }
+}
+
+/// The block's extra keys in the native layout, or `None` when it has none.
+fn block_key_bytes(seq: &TokenSequence, index: usize, block_size: usize) -> Option<Box<[u8]>> {
+    let keys = seq.keys();
+    if keys.is_empty() {
+        return None;
+    }
+    let mut extra: Vec<ExtraKey<'_>> = Vec::new();
+    let start = index * block_size;
+    keys.block_keys(start, start + block_size, &mut 0, &mut extra);
+    if extra.is_empty() {
+        return None;
+    }
+    let mut out = Vec::new();
+    native::keys(&mut out, Some(&extra));
+    Some(out.into_boxed_slice())
+}
+
+/// The cache key of a block hash: the hash itself, or its first `n` bytes in debug mode.
+pub(super) fn key_of(hash: &BlockHash, debug_key_bytes: Option<usize>) -> BlockHash {
+    let Some(n) = debug_key_bytes else { return *hash };
+    let mut key = *hash;
+    match &mut key {
+        BlockHash::Sha256(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
+        BlockHash::Xxh3(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
+    }
+    key
+}
+
+impl BlockManager {
+    fn key_of(&self, hash: &BlockHash) -> BlockHash {
+        key_of(hash, self.config.debug_key_bytes)
+    }
+
+    fn provenance_matches(
+        &self,
+        seq: &TokenSequence,
+        index: usize,
+        block: u32,
+        parent: u32,
+    ) -> bool {
+        self.provenance
+            .as_ref()
+            .is_none_or(|p| p.matches(seq, index, block, parent, self.block_size))
+    }
+
+    /// The cached block for block `index` of `seq`, if any.
+    fn find_cached(&self, seq: &TokenSequence, index: usize, parent: u32) -> Option<u32> {
+        let hash = seq.block_hashes().get(index)?;
+        let candidates = self.pool.lookup(&self.key_of(hash));
+        if self.provenance.is_none() {
+            return candidates.first().copied();
+        }
+        candidates.iter().copied().find(|&b| self.provenance_matches(seq, index, b, parent))
+    }
+
+    /// The request's longest cached prefix (vLLM's `get_computed_blocks`), capped so that at
+    /// least its last token is computed. Takes no references.
+    pub(super) fn computed_blocks(&self, request: &Request) -> Vec<u32> {
+        let mut hits = Vec::new();
+        if !self.config.enable_caching {
+            return hits;
+        }
+        let max_blocks = request.seq.num_tokens().saturating_sub(1) / self.block_size;
+        for index in 0..max_blocks {
+            let parent = hits.last().copied().unwrap_or(NO_PARENT);
+            match self.find_cached(&request.seq, index, parent) {
+                Some(block) => hits.push(block),
+                None => break,
+            }
+        }
+        hits
+    }
+
+    /// Caller-supplied hits must be the request's cached prefix, block by block.
+    pub(super) fn check_hits(
+        &self,
+        request: &Request,
+        hits: &[u32],
+        hit_tokens: usize,
+    ) -> CoreResult<()> {
+        if hits.len() * self.block_size != hit_tokens {
+            return Err(invalid(format!(
+                "num_new_computed_tokens={hit_tokens} must equal len(new_computed_blocks) * \
+                 block_size = {}",
+                hits.len() * self.block_size
+            )));
+        }
+        let mut parent = NO_PARENT;
+        for (index, &block) in hits.iter().enumerate() {
+            let hash = request.seq.block_hashes().get(index);
+            let registered = hash.is_some_and(|h| self.pool.key(block) == Some(&self.key_of(h)));
+            if block == NULL_BLOCK
+                || !registered
+                || hits.get(..index).is_some_and(|seen| seen.contains(&block))
+                || !self.provenance_matches(&request.seq, index, block, parent)
+            {
+                return Err(invalid(format!(
+                    "new_computed_blocks[{index}] = {block} is not the request's cached block \
+                     {index}; pass what get_computed_blocks returned"
+                )));
+            }
+            parent = block;
+        }
+        Ok(())
+    }
+}
