@@ -110,7 +110,8 @@ class DecodeBatch:
         """What the engine's bookkeeping does in a decode step: schedule, hand over the
         sampled tokens."""
         out = self.scheduler.schedule()
-        assert out is not None and out.step.num_scheduled == len(self.sampled)
+        assert out is not None
+        assert out.step.num_scheduled == len(self.sampled)
         self.scheduler.update(self.sampled)
 
     def bare_step(self) -> None:

@@ -112,3 +112,29 @@ def test_cli_bench(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     assert "Rust speed-up on bookkeeping" in out
     assert out.count("%") >= 6
+
+
+def test_num_blocks_zero_is_an_error_not_a_default() -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        LLM(MODEL, num_blocks=0)
+
+
+def test_the_scheduler_only_calls_the_batched_step_per_step() -> None:
+    """Per step the scheduler makes one manager call (plus remove_request at finishing): no
+    per-request bookkeeping crosses into the manager."""
+    llm = LLM(MODEL, block_size=4)
+    calls: list[str] = []
+    real = llm.scheduler.manager
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(real, name)
+
+    llm.scheduler.manager = Counting()  # type: ignore[assignment]
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=4))
+    steps = llm.stats.steps
+    assert calls.count("schedule_step") == steps
+    assert calls.count("remove_request") == len(PROMPTS)
+    assert set(calls) <= {"schedule_step", "remove_request", "add_request", "block_size"}
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)

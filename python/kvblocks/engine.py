@@ -182,9 +182,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One result per prompt; ``progress(finished, total)`` is called after each step."""
         params = sampling_params or SamplingParams()
-        start = time.perf_counter()
-        requests = self._add_requests(prompt_token_ids, params)
-        self.stats.bookkeeping_s += time.perf_counter() - start
+        requests = self._add_requests(self._checked_prompts(prompt_token_ids), params)
         while self.scheduler.has_unfinished():
             self._step()
             if progress is not None:
@@ -197,9 +195,8 @@ class LLM:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return [r.output() for r in requests]
 
-    def _add_requests(
-        self, prompt_token_ids: list[list[int]] | list[int], params: SamplingParams
-    ) -> list[_Request]:
+    def _checked_prompts(self, prompt_token_ids: list[list[int]] | list[int]) -> list[list[int]]:
+        """The prompts as lists of ints in the vocabulary (engine input, not bookkeeping)."""
         nested = bool(prompt_token_ids) and isinstance(prompt_token_ids[0], list)
         raw = prompt_token_ids if nested else [prompt_token_ids]
         prompts = [[int(t) for t in p] for p in raw]  # type: ignore[union-attr, arg-type]
@@ -207,6 +204,11 @@ class LLM:
         for prompt in prompts:
             if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompts must be non-empty token ids in [0, {vocab})")
+        return prompts
+
+    def _add_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[_Request]:
+        """Adds one sequence per prompt to the scheduler (timed as bookkeeping)."""
+        start = time.perf_counter()
         requests = []
         for prompt in prompts:
             request = _Request(f"req-{self._counter}", params)
@@ -216,6 +218,7 @@ class LLM:
             request.samples.append(seq)
             self._owner[id(seq)] = request
             requests.append(request)
+        self.stats.bookkeeping_s += time.perf_counter() - start
         return requests
 
     def _step(self) -> None:

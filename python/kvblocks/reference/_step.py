@@ -65,6 +65,20 @@ def lookup_batch(
     )
 
 
+def _mask(obj: Any, what: str) -> list[int]:
+    """A mask: bools (numpy's too) or 0/1 ints, as 0/1."""
+    out = []
+    for item in obj:
+        if isinstance(item, bool | np.bool_):
+            out.append(int(item))
+            continue
+        value = int_arg(item, what)
+        if value not in (0, 1):
+            raise ValueError(f"{what} entries must be bools or 0/1, got {value}")
+        out.append(value)
+    return out
+
+
 def _sampled(manager: BlockManager, sampled_token_ids: Any) -> dict[int, int]:
     """The previous rows' samples as ``{slot: token}``, rows of removed requests dropped."""
     if sampled_token_ids is None:
@@ -192,10 +206,7 @@ def schedule_step(
         if num_lookahead_tokens is None
         else size_arg(num_lookahead_tokens, "num_lookahead_tokens", 0)
     )
-    lookup = None
-    if prefix_lookup is not None:
-        mask = np.asarray(prefix_lookup)
-        lookup = _i64s(mask.astype(np.int64) if mask.dtype.kind == "b" else mask, "prefix_lookup")
+    lookup = None if prefix_lookup is None else _mask(prefix_lookup, "prefix_lookup")
     budget = None if token_budget is None else size_arg(token_budget, "token_budget", 0)
     tokens = [] if new_token_ids is None else token_ids(new_token_ids)
     offsets = None if new_token_offsets is None else _i64s(new_token_offsets, "new_token_offsets")

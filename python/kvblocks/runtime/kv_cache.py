@@ -43,9 +43,9 @@ class PagedKVCache:
     def copy_blocks(self, pairs: Any) -> None:
         """Executes copy-on-write pairs (``(N, 2)`` ``(src, dst)`` block ids, as
         ``take_block_copies()`` or ``ScheduledStep.block_copies`` return them)."""
+        if len(pairs) == 0:
+            return  # (the shared empty result is read-only: torch would warn on wrapping it)
         pairs = torch.as_tensor(pairs, dtype=torch.long, device=self.device).reshape(-1, 2)
-        if pairs.numel() == 0:
-            return
         src, dst = pairs[:, 0], pairs[:, 1]
         for cache in (*self.key, *self.value):
             cache[dst] = cache[src]

@@ -6,7 +6,7 @@ use crate::hasher::{env_seed, hash_bytes, hash_list, PyBlockHasher};
 use crate::ints::extract_i64s;
 use crate::keys::request_keys;
 use crate::step::{mask_arg, optional_size, sampled_arg, sizes_arg, StepArrays};
-use crate::sync::{detach_if_large, lock};
+use crate::sync::{detach_if_large, lock, lock_attached};
 use crate::tokens::{extract_one_or_many, extract_token_ids};
 use kvblocks_core::pool::{EventKey, KvEvent};
 use kvblocks_core::{
@@ -392,7 +392,7 @@ impl PyBlockManager {
                 .transpose()?,
             preempt,
         };
-        let mut manager = self.lock()?;
+        let mut manager = lock_attached(py, &self.inner)?;
         let planned = manager.plan_step(input)?;
         let sizes = planned.sizes();
         let arrays = match present(out) {

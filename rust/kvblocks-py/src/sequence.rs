@@ -4,13 +4,14 @@ use crate::args::size_arg;
 use crate::errors::to_py;
 use crate::hasher::{hash_list, PyBlockHasher};
 use crate::keys::request_keys;
+use crate::step::read_only;
 use crate::sync::{detach_if_large, lock};
 use crate::tokens::{extract_one_or_many, extract_token_ids};
 use kvblocks_core::TokenSequence;
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 #[pyclass(frozen, module = "kvblocks._core", name = "TokenSequence")]
@@ -19,13 +20,6 @@ pub struct PyTokenSequence {
     /// The same immutable buffer the sequence holds; numpy views borrow it.
     prompt: Arc<[u32]>,
     hasher: Py<PyBlockHasher>,
-}
-
-fn read_only<'py>(array: Bound<'py, PyArray1<u32>>) -> PyResult<Bound<'py, PyArray1<u32>>> {
-    let kwargs = PyDict::new(array.py());
-    kwargs.set_item("write", false)?;
-    array.call_method("setflags", (), Some(&kwargs))?;
-    Ok(array)
 }
 
 impl PyTokenSequence {

@@ -15,6 +15,40 @@ use pyo3::types::{PySlice, PyType};
 use pyo3::{intern, PyErr};
 
 static SCHEDULED_STEP: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+/// Read-only empty results, shared by the steps that copy, evict or preempt nothing.
+static NO_PAIRS: PyOnceLock<Py<PyArray2<i32>>> = PyOnceLock::new();
+static NO_IDS: PyOnceLock<Py<PyArray1<i32>>> = PyOnceLock::new();
+
+/// Marks a numpy array read-only (results shared between calls, or views of state).
+pub fn read_only<T>(array: Bound<'_, T>) -> PyResult<Bound<'_, T>> {
+    let kwargs = pyo3::types::PyDict::new(array.py());
+    kwargs.set_item("write", false)?;
+    array.as_any().call_method("setflags", (), Some(&kwargs))?;
+    Ok(array)
+}
+
+/// `ids` as an int32 array (the shared read-only empty one when there are none).
+fn ids_array<'py>(py: Python<'py>, ids: Vec<i32>) -> PyResult<Bound<'py, PyAny>> {
+    if !ids.is_empty() {
+        return Ok(PyArray1::from_vec(py, ids).into_any());
+    }
+    let empty = NO_IDS.get_or_try_init(py, || {
+        read_only(PyArray1::<i32>::zeros(py, 0, false)).map(Bound::unbind)
+    })?;
+    Ok(empty.bind(py).clone().into_any())
+}
+
+/// `(src, dst)` pairs as a `(K, 2)` int32 array (shared and read-only when empty).
+fn pairs_array<'py>(py: Python<'py>, pairs: &[[u32; 2]]) -> PyResult<Bound<'py, PyAny>> {
+    if !pairs.is_empty() {
+        let flat: Vec<i32> = pairs.iter().flatten().map(|&b| b as i32).collect();
+        return Ok(PyArray1::from_vec(py, flat).reshape([pairs.len(), 2])?.into_any());
+    }
+    let empty = NO_PAIRS.get_or_try_init(py, || {
+        read_only(PyArray2::<i32>::zeros(py, [0, 2], false)).map(Bound::unbind)
+    })?;
+    Ok(empty.bind(py).clone().into_any())
+}
 
 /// Counts or offsets: integers `>= 0`.
 pub fn sizes_arg(obj: &Bound<'_, PyAny>, what: &str) -> GlueResult<Vec<usize>> {
@@ -164,7 +198,6 @@ impl<'py> StepArrays<'py> {
     ) -> PyResult<Bound<'py, PyAny>> {
         let (rows, tokens) = (result.num_scheduled, result.num_scheduled_tokens);
         let cut = |a: &Bound<'py, PyAny>, n: usize| a.get_item(PySlice::new(py, 0, n as isize, 1));
-        let copies: Vec<i32> = result.block_copies.iter().flatten().map(|&b| b as i32).collect();
         let evicted: Vec<i32> = result.evicted_blocks.iter().map(|&b| b as i32).collect();
         let preempted: Vec<i32> = result.preempted.iter().map(|&i| i as i32).collect();
         let fields = [
@@ -174,14 +207,14 @@ impl<'py> StepArrays<'py> {
             cut(self.slot_mapping.as_any(), tokens)?,
             cut(self.seq_lens.as_any(), rows)?,
             cut(self.query_start_loc.as_any(), rows + 1)?,
-            PyArray1::from_vec(py, copies).reshape([result.block_copies.len(), 2])?.into_any(),
-            PyArray1::from_vec(py, evicted).into_any(),
+            pairs_array(py, &result.block_copies)?,
+            ids_array(py, evicted)?,
             cut(self.input_ids.as_any(), tokens)?,
             cut(self.positions.as_any(), tokens)?,
             cut(self.req_indices.as_any(), rows)?,
             cut(self.num_new_tokens.as_any(), rows)?,
             cut(self.num_new_computed_tokens.as_any(), rows)?,
-            PyArray1::from_vec(py, preempted).into_any(),
+            ids_array(py, preempted)?,
         ];
         let cls = SCHEDULED_STEP.import(py, "kvblocks.step", "ScheduledStep")?;
         cls.call1(pyo3::types::PyTuple::new(py, fields)?)

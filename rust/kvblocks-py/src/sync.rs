@@ -12,7 +12,12 @@ pub const DETACH_MIN_WORK: usize = 1024;
 /// Locks `state`; a thread that has to wait detaches from the interpreter, so a holder that
 /// released the GIL for long work can always finish.
 pub fn lock<T>(state: &Mutex<T>) -> PyResult<MutexGuard<'_, T>> {
-    Python::attach(|py| state.lock_py_attached(py)).map_err(|_| poisoned())
+    Python::attach(|py| lock_attached(py, state))
+}
+
+/// [`lock`] for a caller that holds the GIL already (the hot path: no attach bookkeeping).
+pub fn lock_attached<'a, T>(py: Python<'_>, state: &'a Mutex<T>) -> PyResult<MutexGuard<'a, T>> {
+    state.lock_py_attached(py).map_err(|_| poisoned())
 }
 
 /// Runs `work` (of `size` items) without the GIL when it is large enough.

@@ -497,3 +497,74 @@ impl BlockManager {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::{HashAlgo, DEFAULT_SEED};
+    use crate::{BlockHasher, ManagerConfig, RequestKeys};
+    use std::sync::Arc;
+
+    /// `n` running requests of 8 tokens holding 2 blocks each (block size 4).
+    fn running(num_blocks: usize, n: u32) -> (BlockManager, Vec<i64>) {
+        let hasher = BlockHasher::new(HashAlgo::Sha256Cbor, 4, DEFAULT_SEED.to_owned()).unwrap();
+        let config = ManagerConfig { num_blocks, ..ManagerConfig::default() };
+        let mut m = BlockManager::new(config, Arc::new(hasher)).unwrap();
+        let handles: Vec<i64> = (0..n)
+            .map(|i| {
+                let prompt: Vec<u32> = (0..8).map(|k| 10 * i + k).collect();
+                m.add_request(&format!("r{i}"), &prompt, RequestKeys::default()).unwrap()
+            })
+            .collect();
+        let input = StepInput { handles: &handles, token_budget: Some(100), ..Default::default() };
+        let result = m.schedule_step(input, &mut StepBuffers::new(8, 100, 8).output()).unwrap();
+        assert_eq!(result.num_scheduled, n as usize);
+        (m, handles)
+    }
+
+    #[test]
+    fn preemption_takes_the_newest_running_request_and_blocks_admissions() {
+        let (mut m, mut handles) = running(9, 4);
+        handles.push(m.add_request("late", &[99; 4], RequestKeys::default()).unwrap());
+        let lookup = [false, false, false, false, true];
+        let sampled = [Some(5), Some(6), Some(7), Some(8)];
+        let input = StepInput {
+            handles: &handles,
+            prefix_lookup: Some(&lookup),
+            sampled_token_ids: Some(&sampled),
+            token_budget: Some(100),
+            preempt: true,
+            ..Default::default()
+        };
+        let mut buffers = StepBuffers::new(8, 100, 8);
+        let result = m.schedule_step(input, &mut buffers.output()).unwrap();
+        assert_eq!(result.preempted, [3, 2]);
+        assert_eq!(result.num_scheduled, 2);
+        assert_eq!(buffers.req_indices.get(..2), Some(&[0, 1][..]));
+        assert_eq!(buffers.input_ids.get(..2), Some(&[5, 6][..]));
+        assert_eq!(buffers.positions.get(..2), Some(&[8, 8][..]));
+        assert!(m.block_ids(handles[2]).unwrap().is_empty());
+        assert_eq!(m.sequence(handles[3]).unwrap().last_token_id(), 8);
+    }
+
+    #[test]
+    fn a_planned_step_that_does_not_run_changes_nothing() {
+        let (mut m, handles) = running(20, 2);
+        let sampled = [Some(5), Some(6)];
+        let input = StepInput {
+            handles: &handles,
+            sampled_token_ids: Some(&sampled),
+            token_budget: Some(1),
+            ..Default::default()
+        };
+        let planned = m.plan_step(input).unwrap();
+        assert_eq!(planned.sizes().max_tokens, 1);
+        let mut small = StepBuffers::new(1, 1, 8);
+        assert!(matches!(planned.run(&mut small.output()), Err(CoreError::InvalidArgument(_))));
+        assert_eq!(m.sequence(handles[0]).unwrap().num_tokens(), 8);
+        let result = m.schedule_step(input, &mut StepBuffers::new(2, 1, 8).output()).unwrap();
+        assert_eq!((result.num_scheduled, result.num_scheduled_tokens), (1, 1));
+        assert_eq!(m.sequence(handles[1]).unwrap().num_tokens(), 9); // both samples are in
+        assert_eq!(m.num_computed_tokens(handles[1]).unwrap(), 8); // but the budget ran out
+    }
+}
