@@ -1,7 +1,7 @@
 //! `kvblocks.BlockHasher`.
 
 use crate::args::{size_arg, str_arg};
-use crate::errors::to_py;
+use crate::errors::GlueResult;
 use crate::keys::{extract_extra_keys, request_keys};
 use crate::sync::detach_if_large;
 use crate::tokens::{extract_token_ids, extract_token_ids_from};
@@ -91,15 +91,15 @@ impl PyBlockHasher {
         algo: &str,
         block_size: Option<&Bound<'_, PyAny>>,
         seed: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let algo = HashAlgo::from_name(algo).map_err(to_py)?;
+    ) -> GlueResult<Self> {
+        let algo = HashAlgo::from_name(algo)?;
         let block_size = match block_size {
             Some(size) => size_arg(size, "block_size", 1)?,
             None => DEFAULT_BLOCK_SIZE,
         };
         let seed = seed.filter(|s| !s.is_none()).map(|s| str_arg(s, "seed")).transpose()?;
-        let seed = resolve_seed(algo, seed, env_seed(py)?).map_err(to_py)?;
-        let inner = BlockHasher::new(algo, block_size, seed).map_err(to_py)?;
+        let seed = resolve_seed(algo, seed, env_seed(py)?)?;
+        let inner = BlockHasher::new(algo, block_size, seed)?;
         Ok(Self { inner: Arc::new(inner) })
     }
 

@@ -3,7 +3,7 @@
 //! Called once per vLLM manager call, with the request's own state as arguments; the block
 //! hashes are read from the request's `list[bytes]` in place, only where the call needs them.
 
-use crate::errors::to_py;
+use crate::errors::GlueResult;
 use crate::sync::lock;
 use kvblocks_core::{
     AllocateArgs, BlockHash, CoreError, CoreResult, HashSource, KvCacheConfig, KvCacheManager,
@@ -131,7 +131,7 @@ impl PyKvCacheCore {
         enable_events: bool,
         watermark_blocks: usize,
         admitted_statuses: Vec<Py<PyAny>>,
-    ) -> PyResult<Self> {
+    ) -> GlueResult<Self> {
         let config = KvCacheConfig {
             num_blocks,
             block_size,
@@ -141,7 +141,7 @@ impl PyKvCacheCore {
             watermark_blocks,
         };
         Ok(Self {
-            inner: Mutex::new(KvCacheManager::new(config).map_err(to_py)?),
+            inner: Mutex::new(KvCacheManager::new(config)?),
             empty: Py::new(py, PyKvCacheBlockIds { ids: Vec::new() })?,
             admitted_statuses,
         })
@@ -185,9 +185,9 @@ impl PyKvCacheCore {
         py: Python<'_>,
         block_hashes: &Bound<'_, PyAny>,
         max_blocks: usize,
-    ) -> PyResult<Py<PyKvCacheBlockIds>> {
-        let hits = self.lock()?.lookup(&hashes_arg(block_hashes)?, max_blocks).map_err(to_py)?;
-        self.blocks(py, hits)
+    ) -> GlueResult<Py<PyKvCacheBlockIds>> {
+        let hits = self.lock()?.lookup(&hashes_arg(block_hashes)?, max_blocks)?;
+        Ok(self.blocks(py, hits)?)
     }
 
     /// vLLM's `KVCacheManager.allocate_slots`, called by vLLM's scheduler directly: reads
@@ -216,13 +216,14 @@ impl PyKvCacheCore {
         reserved_blocks: usize,
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Option<Py<PyKvCacheBlockIds>>> {
+    ) -> GlueResult<Option<Py<PyKvCacheBlockIds>>> {
         let _ = skip_zeroing_group_ids; // nothing is zeroed in the supported configurations
         if num_external_computed_tokens != 0 || num_encoder_tokens != 0 {
             return Err(PyValueError::new_err(
                 "kvblocks' KVCacheManager has no KV connector or encoder cache \
                  (external or encoder tokens)",
-            ));
+            )
+            .into());
         }
         let hits = match new_computed_blocks {
             Some(blocks) if !blocks.is(self.empty.bind(py)) && !blocks.is_none() => {
@@ -237,7 +238,7 @@ impl PyKvCacheCore {
             _ => Vec::new(),
         };
         let request_id = request.getattr(intern!(py, "request_id"))?;
-        let request_id = request_id.cast::<PyString>()?.to_str()?;
+        let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
         let apply_watermark = has_scheduled_reqs && {
             let status = request.getattr(intern!(py, "status"))?;
@@ -255,8 +256,8 @@ impl PyKvCacheCore {
             apply_watermark,
         };
         let hashes = hashes_arg(&block_hashes)?;
-        let new = self.lock()?.allocate_slots(request_id, &args, &hits, &hashes).map_err(to_py)?;
-        new.map(|ids| self.blocks(py, ids)).transpose()
+        let new = self.lock()?.allocate_slots(request_id, &args, &hits, &hashes)?;
+        Ok(new.map(|ids| self.blocks(py, ids)).transpose()?)
     }
 
     /// vLLM's `cache_blocks`: registers the full blocks up to `num_tokens` tokens.
@@ -266,9 +267,9 @@ impl PyKvCacheCore {
         request_id: &str,
         block_hashes: &Bound<'_, PyAny>,
         num_tokens: usize,
-    ) -> PyResult<()> {
+    ) -> GlueResult<()> {
         let hashes = hashes_arg(block_hashes)?;
-        self.lock()?.cache_blocks(request_id, num_tokens, &hashes).map_err(to_py)
+        Ok(self.lock()?.cache_blocks(request_id, num_tokens, &hashes)?)
     }
 
     /// Releases the request's blocks (a no-op for an unknown id).

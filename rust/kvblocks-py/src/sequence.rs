@@ -1,7 +1,7 @@
 //! `kvblocks.TokenSequence`.
 
 use crate::args::size_arg;
-use crate::errors::to_py;
+use crate::errors::GlueResult;
 use crate::hasher::{hash_list, PyBlockHasher};
 use crate::keys::request_keys;
 use crate::step::read_only;
@@ -41,14 +41,13 @@ impl PyTokenSequence {
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora: Option<&Bound<'_, PyAny>>,
         mm_features: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
+    ) -> GlueResult<Self> {
         let tokens = extract_token_ids(prompt_token_ids)?;
         let keys = request_keys(cache_salt, lora, mm_features)?;
         let core_hasher = hasher.get().inner.clone();
         let tokens = tokens.as_slice();
         let build = || TokenSequence::new(core_hasher, tokens, keys);
-        let seq = detach_if_large(py, tokens.len(), build);
-        let seq = seq.map_err(to_py)?;
+        let seq = detach_if_large(py, tokens.len(), build)?;
         Ok(Self { prompt: seq.prompt().clone(), inner: Mutex::new(seq), hasher: hasher.unbind() })
     }
 
@@ -112,15 +111,16 @@ impl PyTokenSequence {
         &self,
         py: Python<'py>,
         num_tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyTuple>> {
+    ) -> GlueResult<Bound<'py, PyTuple>> {
         let n = size_arg(num_tokens, "num_tokens", 0)?;
         let seq = self.lock()?;
-        let (prompt, output) = seq.prefix_token_ids(n).map_err(to_py)?;
+        let (prompt, output) = seq.prefix_token_ids(n)?;
         let prompt = PyTuple::new(py, prompt)?;
-        match output {
-            Some(out) => PyTuple::new(py, [prompt.into_any(), PyTuple::new(py, out)?.into_any()]),
-            None => PyTuple::new(py, [prompt.into_any(), py.None().into_bound(py)]),
-        }
+        let output = match output {
+            Some(out) => PyTuple::new(py, out)?.into_any(),
+            None => py.None().into_bound(py),
+        };
+        Ok(PyTuple::new(py, [prompt.into_any(), output])?)
     }
 
     /// The prompt as a read-only uint32 array that borrows this object's buffer (no copy).
