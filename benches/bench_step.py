@@ -5,8 +5,9 @@ work as per-request Rust calls, and the twin's ``schedule_step``, in one run.
 
 Each round is one decode step for every running request (block size 16, prompts of 500 to
 2,000 tokens, one accepted token appended and one slot allocated per request). The batched
-variants also write the block table, slot mapping, sequence lengths and query start offsets;
-the per-request variant only makes the two calls per request (it builds no arrays).
+variants also write the block table, slot mapping, sequence lengths, query start offsets,
+input ids, positions, row indices and per-row counts; the per-request variant only makes the
+two calls per request (it builds no arrays).
 """
 
 from __future__ import annotations
