@@ -182,12 +182,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """One result per prompt; ``progress(finished, total)`` is called after each step."""
         params = sampling_params or SamplingParams()
-        requests = self._add_requests(self._checked_prompts(prompt_token_ids), params)
-        while self.scheduler.has_unfinished():
-            self._step()
-            if progress is not None:
-                finished = sum(all(s.finish_reason for s in r.samples) for r in requests)
-                progress(finished, len(requests))
+        prompts = self._checked_prompts(prompt_token_ids)
+        try:
+            requests = self._add_requests(prompts, params)
+            while self.scheduler.has_unfinished():
+                self._step()
+                if progress is not None:
+                    finished = sum(all(s.finish_reason for s in r.samples) for r in requests)
+                    progress(finished, len(requests))
+        finally:
+            # Keyed by id(): an id is reused once its sequence is gone.
+            self._owner.clear()
+            self._generators.clear()
         snapshot = self.manager.make_prefix_cache_stats()
         if snapshot is not None:
             self.stats.prefix_queries += snapshot.queries + snapshot.preempted_queries

@@ -10,6 +10,7 @@ reused buffers. See docs/step.md."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -118,7 +119,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         running = self.running
         num_running = len(running)
-        admissions = list(self.waiting)[: max(self.max_num_seqs - num_running, 0)]
+        admissions = list(itertools.islice(self.waiting, max(self.max_num_seqs - num_running, 0)))
         handles = self._running_handles
         lookup = None
         if admissions:
