@@ -149,3 +149,25 @@ def test_decode_step_bookkeeping(benchmark: Any, num_reqs: int, impl: str) -> No
     benchmark.extra_info.update(info)
     fn = batch.bare_step if impl == "bare-schedule_step" else batch.step
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=3)
+
+
+@pytest.mark.parametrize("impl", ["warm", "cold"])
+def test_step_after_a_forward_pass(benchmark: Any, impl: str) -> None:
+    """The engine calls the scheduler right after a forward pass, which has streamed the model
+    and the KV cache through the CPU caches. ``cold`` streams 64 MB (untimed) before each
+    scheduler step of one running request; ``warm`` does not. The ratio says how much of the
+    seed setup's bookkeeping is cache misses rather than work."""
+    batch = DecodeBatch(kvblocks, 1, DECODE_ROUNDS + 5)
+    flood = np.ones(64 * 2**20 // 8)
+    case = "scheduler step, 1 running request, after streaming 64 MB"
+    benchmark.group = case
+    info: dict[str, Any] = {"case": case, "impl": impl}
+    if impl == "cold":
+        info["floors"] = [[case, "warm"]]
+    benchmark.extra_info.update(info)
+
+    def evict_caches() -> None:
+        flood.sum()
+
+    setup = evict_caches if impl == "cold" else None
+    benchmark.pedantic(batch.step, setup=setup, rounds=DECODE_ROUNDS, warmup_rounds=3)

@@ -248,29 +248,32 @@ class LLM:
         prefill chunks), forks parallel samples at their first token, finishes sequences."""
         seq_lens = out.step.seq_lens.tolist()
         sampled = np.full(len(out.sequences), -1, dtype=np.int64)
-        greedy = None
+        greedy: list[int] | None = None
         for row, seq in enumerate(out.sequences):
             if seq_lens[row] < seq.num_tokens:
                 continue  # a prefill chunk: no token yet
-            params = self._owner[id(seq)].params
-            if params.temperature == 0 and greedy is None:
-                greedy = logits.argmax(dim=-1).tolist()
-            if greedy is not None and params.temperature == 0:
-                token = int(greedy[row])
+            request = self._owner[id(seq)]
+            params = request.params
+            if params.temperature == 0:
+                if greedy is None:
+                    greedy = logits.argmax(dim=-1).tolist()
+                token = greedy[row]
             else:
                 token = self._sample_one(logits[row], params, self._generator_of(seq, params))
             sampled[row] = token
-            self._fork_samples(seq, logits[row], greedy[row] if greedy is not None else None)
+            if len(request.samples) < params.n and seq is request.samples[0]:
+                greedy_token = token if params.temperature == 0 else None
+                self._fork_samples(request, seq, logits[row], greedy_token)
             self._append(seq, token)
         return sampled
 
-    def _fork_samples(self, seq: Sequence, logits: torch.Tensor, greedy_token: int | None) -> None:
+    def _fork_samples(
+        self, request: _Request, seq: Sequence, logits: torch.Tensor, greedy_token: int | None
+    ) -> None:
         """At its first token, a request with ``n > 1`` forks its other samples; they share
-        the prompt's blocks and sample their own first token from the same logits."""
-        request = self._owner[id(seq)]
+        the prompt's blocks and sample their own first token from the same logits (greedy:
+        the same token)."""
         params = request.params
-        if len(request.samples) >= params.n or seq is not request.samples[0]:
-            return
         for i in range(1, params.n):
             child = Sequence(
                 f"{request.request_id}-{i}",
@@ -282,8 +285,8 @@ class LLM:
             )
             request.samples.append(child)
             self._owner[id(child)] = request
-            if params.temperature == 0 and greedy_token is not None:
-                token = int(greedy_token)
+            if greedy_token is not None:
+                token = greedy_token
             else:
                 token = self._sample_one(logits, params, self._generator_of(child, params))
             f0 = time.perf_counter()

@@ -5,7 +5,7 @@ use crate::errors::GlueResult;
 use crate::hasher::{env_seed, hash_bytes, hash_list, PyBlockHasher};
 use crate::ints::extract_i64s;
 use crate::keys::request_keys;
-use crate::step::{mask_arg, optional_size, sampled_arg, sizes_arg, StepArrays};
+use crate::step::{mask_arg, optional_size, pairs_array, sampled_arg, sizes_arg, StepArrays};
 use crate::sync::{detach_if_large, lock, lock_attached};
 use crate::tokens::{extract_one_or_many, extract_token_ids};
 use kvblocks_core::pool::{EventKey, KvEvent};
@@ -13,7 +13,7 @@ use kvblocks_core::{
     resolve_seed, BlockHash, BlockHasher, BlockManager, HashAlgo, ManagerConfig, RequestRef,
     StepInput,
 };
-use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use numpy::PyArray1;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -295,13 +295,9 @@ impl PyBlockManager {
         num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
     ) -> GlueResult<Option<Vec<u32>>> {
         let id = id_arg(request_id)?;
-        let count = |arg: Option<&Bound<'_, PyAny>>, what| match arg {
-            Some(v) if !v.is_none() => size_arg(v, what, 0),
-            _ => Ok(0),
-        };
         let new = size_arg(num_new_tokens, "num_new_tokens", 0)?;
-        let computed = count(num_new_computed_tokens, "num_new_computed_tokens")?;
-        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let computed = optional_size(num_new_computed_tokens, "num_new_computed_tokens")?;
+        let lookahead = optional_size(num_lookahead_tokens, "num_lookahead_tokens")?;
         let hits = match new_computed_blocks {
             Some(b) if !b.is_none() => block_ids_arg(b)?,
             _ => Vec::new(),
@@ -476,13 +472,9 @@ impl PyBlockManager {
     }
 
     /// The pending copy-on-write copies as an `(N, 2)` int32 array of `(src, dst)` block ids.
-    fn take_block_copies<'py>(&self, py: Python<'py>) -> GlueResult<Bound<'py, PyArray2<i32>>> {
+    fn take_block_copies<'py>(&self, py: Python<'py>) -> GlueResult<Bound<'py, PyAny>> {
         let copies = self.lock()?.take_block_copies();
-        let flat: Vec<i32> = copies
-            .iter()
-            .flat_map(|pair| pair.iter().map(|&b| i32::try_from(b).unwrap_or(i32::MAX)))
-            .collect();
-        Ok(PyArray1::from_vec(py, flat).reshape([copies.len(), 2])?)
+        Ok(pairs_array(py, &copies)?)
     }
 
     /// The pool's internal state, for tests and debugging: the free queue (head first), every

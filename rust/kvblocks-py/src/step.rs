@@ -39,7 +39,7 @@ fn ids_array<'py>(py: Python<'py>, ids: Vec<i32>) -> PyResult<Bound<'py, PyAny>>
 }
 
 /// `(src, dst)` pairs as a `(K, 2)` int32 array (shared and read-only when empty).
-fn pairs_array<'py>(py: Python<'py>, pairs: &[[u32; 2]]) -> PyResult<Bound<'py, PyAny>> {
+pub fn pairs_array<'py>(py: Python<'py>, pairs: &[[u32; 2]]) -> PyResult<Bound<'py, PyAny>> {
     if !pairs.is_empty() {
         let flat: Vec<i32> = pairs.iter().flatten().map(|&b| b as i32).collect();
         return Ok(PyArray1::from_vec(py, flat).reshape([pairs.len(), 2])?.into_any());
