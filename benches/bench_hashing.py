@@ -78,14 +78,11 @@ def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> N
     if impl == "rust":
         hasher = hashing_hasher(kvblocks, algo)
         _run(benchmark, case, impl, lambda: hasher.hash_blocks(tokens), rust_baselines)
-    elif impl == "rust-numpy":
+    elif impl.startswith("rust-numpy"):
         hasher = hashing_hasher(kvblocks, algo)
+        method = hasher.hash_blocks_array if impl == "rust-numpy-array" else hasher.hash_blocks
         uint32 = np.array(tokens, dtype=np.uint32)
-        _run(benchmark, case, impl, lambda: hasher.hash_blocks(uint32), rust_baselines)
-    elif impl == "rust-numpy-array":
-        hasher = hashing_hasher(kvblocks, algo)
-        uint32 = np.array(tokens, dtype=np.uint32)
-        _run(benchmark, case, impl, lambda: hasher.hash_blocks_array(uint32), rust_baselines)
+        _run(benchmark, case, impl, lambda: method(uint32), rust_baselines)
     elif impl == "twin":
         twin = hashing_hasher(ref, algo)
         _run(benchmark, case, impl, lambda: twin.hash_blocks(tokens), [])

@@ -9,7 +9,7 @@ use kvblocks_core::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable,
 };
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use std::sync::Arc;
@@ -30,19 +30,6 @@ pub fn hash_list<'py>(py: Python<'py>, hashes: &[BlockHash]) -> PyResult<Bound<'
     PyList::new(py, hashes.iter().map(|h| hash_bytes(py, h)))
 }
 
-/// A parent hash argument: `bytes` or `None`.
-fn parent_arg<'py>(parent: Option<&Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyBytes>>> {
-    match parent.filter(|p| !p.is_none()) {
-        None => Ok(None),
-        Some(p) => p.cast::<PyBytes>().map(|b| Some(b.clone())).map_err(|_| {
-            PyTypeError::new_err(format!(
-                "parent must be bytes or None, got {}",
-                p.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-            ))
-        }),
-    }
-}
-
 /// `PYTHONHASHSEED` as the process sees it now (vLLM's seed rule reads it).
 pub fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
     py.import("os")?.getattr("environ")?.call_method1("get", ("PYTHONHASHSEED",))?.extract()
@@ -56,14 +43,13 @@ impl PyBlockHasher {
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
-        parent: Option<&Bound<'_, PyAny>>,
+        parent: Option<&[u8]>,
         start_block: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora: Option<&Bound<'_, PyAny>>,
         mm_features: Option<&Bound<'_, PyAny>>,
         sink: &mut (impl HashSink + Send),
     ) -> PyResult<()> {
-        let parent = parent_arg(parent)?;
         let first_block = match start_block {
             Some(block) => size_arg(block, "start_block", 0)?,
             None => 0,
@@ -75,7 +61,6 @@ impl PyBlockHasher {
         let (tokens, offset) = extract_token_ids_from(token_ids, start)?;
         let keys = request_keys(cache_salt, lora, mm_features)?;
         let tokens = tokens.as_slice().get(offset..).unwrap_or_default();
-        let parent = parent.as_ref().map(|p| p.as_bytes());
         let hash = || hasher.hash_blocks_into(tokens, first_block, parent, &keys, sink);
         detach_if_large(py, tokens.len(), hash);
         Ok(())
@@ -154,7 +139,7 @@ impl PyBlockHasher {
         &self,
         py: Python<'py>,
         token_ids: &Bound<'py, PyAny>,
-        parent: Option<&Bound<'py, PyAny>>,
+        parent: Option<&[u8]>,
         start_block: Option<&Bound<'py, PyAny>>,
         cache_salt: Option<&Bound<'py, PyAny>>,
         lora: Option<&Bound<'py, PyAny>>,
@@ -177,7 +162,7 @@ impl PyBlockHasher {
         &self,
         py: Python<'py>,
         token_ids: &Bound<'py, PyAny>,
-        parent: Option<&Bound<'py, PyAny>>,
+        parent: Option<&[u8]>,
         start_block: Option<&Bound<'py, PyAny>>,
         cache_salt: Option<&Bound<'py, PyAny>>,
         lora: Option<&Bound<'py, PyAny>>,
@@ -185,8 +170,7 @@ impl PyBlockHasher {
     ) -> PyResult<Bound<'py, PyArray2<u8>>> {
         let width = self.inner.algo().digest_size();
         let mut sink = HashTable::with_capacity(0, width);
-        let args = (parent, start_block, cache_salt, lora, mm_features);
-        self.compute(py, token_ids, args.0, args.1, args.2, args.3, args.4, &mut sink)?;
+        self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features, &mut sink)?;
         let table = numpy::ndarray::Array2::from_shape_vec((sink.len(), width), sink.bytes)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(table.into_pyarray(py))

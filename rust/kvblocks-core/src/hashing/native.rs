@@ -41,13 +41,7 @@ pub(crate) fn plain_prefix(out: &mut Vec<u8>, parent_len: usize, n: usize) -> us
 pub(crate) fn plain_rest(buf: &mut [u8], at: usize, tokens: &[u32]) -> usize {
     let end = at + 4 * tokens.len();
     if let Some(dst) = buf.get_mut(at..end) {
-        if cfg!(target_endian = "little") {
-            dst.copy_from_slice(bytemuck::cast_slice(tokens)); // already u32 little-endian
-        } else {
-            for (chunk, &t) in dst.chunks_exact_mut(4).zip(tokens) {
-                chunk.copy_from_slice(&t.to_le_bytes());
-            }
-        }
+        write_le(dst, tokens);
     }
     if let Some(byte) = buf.get_mut(end) {
         *byte = 0x00;
@@ -55,13 +49,22 @@ pub(crate) fn plain_rest(buf: &mut [u8], at: usize, tokens: &[u32]) -> usize {
     end + 1
 }
 
-fn tokens_le(out: &mut Vec<u8>, tokens: &[u32]) {
+/// `tokens` as u32 little-endian into `dst` (exactly 4 bytes a token).
+fn write_le(dst: &mut [u8], tokens: &[u32]) {
     if cfg!(target_endian = "little") {
-        out.extend_from_slice(bytemuck::cast_slice(tokens)); // already u32 little-endian
+        dst.copy_from_slice(bytemuck::cast_slice(tokens)); // already u32 little-endian
     } else {
-        for &t in tokens {
-            out.extend_from_slice(&t.to_le_bytes());
+        for (chunk, &t) in dst.chunks_exact_mut(4).zip(tokens) {
+            chunk.copy_from_slice(&t.to_le_bytes());
         }
+    }
+}
+
+fn tokens_le(out: &mut Vec<u8>, tokens: &[u32]) {
+    let at = out.len();
+    out.resize(at + 4 * tokens.len(), 0);
+    if let Some(dst) = out.get_mut(at..) {
+        write_le(dst, tokens);
     }
 }
 
