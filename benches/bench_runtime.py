@@ -91,7 +91,7 @@ class Batch:
 
 
 def padded_attention(query: Any, key_cache: Any, value_cache: Any, meta: AttentionMetadata) -> Any:
-    """kvblocks' paged attention before issue 13: whole blocks of every request gathered, the
+    """The padded attention this runtime replaced: whole blocks of every request gathered, the
     queries padded to the longest, one masked ``scaled_dot_product_attention``."""
     num_reqs, width = meta.block_table.shape
     _, block_size, num_kv_heads, head_dim = key_cache.shape

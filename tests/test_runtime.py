@@ -128,7 +128,8 @@ def test_mixed_batch_of_very_different_lengths(device: str) -> None:
 
 
 def test_nan_in_the_tail_of_the_last_block_is_never_read() -> None:
-    """The issue's reproduction: one decode token at context 21 over blocks [2, 3] of 16."""
+    """A NaN left in the unused tail of a request's last block: one decode token at context
+    21 over blocks [2, 3] of 16."""
     cache = PagedKVCache(1, 8, 16, 2, 8)
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 21, 2, 8, generator=gen)
@@ -298,8 +299,16 @@ def test_copy_on_write_branches_read_their_own_blocks(device: str) -> None:
     assert not torch.allclose(logits[0], logits[1])
 
 
-def _save_hf_directory(directory: Path, model: LlamaForCausalLM) -> None:
-    """Writes ``model`` as a Llama Hugging Face directory (config.json + model.safetensors)."""
+#: An override that leaves its key out of the written ``config.json``.
+OMIT = object()
+
+
+def _save_hf_directory(
+    directory: Path, model: LlamaForCausalLM, overrides: dict[str, object] | None = None
+) -> dict[str, torch.Tensor]:
+    """Writes ``model`` as a Llama Hugging Face directory (config.json + model.safetensors),
+    with ``overrides`` merged into the config (``OMIT`` leaves a key out); returns the state
+    dict it saved."""
     from safetensors.torch import save_file
 
     c = model.config
@@ -316,11 +325,14 @@ def _save_hf_directory(directory: Path, model: LlamaForCausalLM) -> None:
         "rope_theta": c.rope_theta,
         "tie_word_embeddings": c.tie_word_embeddings,
     }
-    (directory / "config.json").write_text(json.dumps(raw))
+    raw |= overrides or {}
+    config = {k: v for k, v in raw.items() if v is not OMIT}
+    (directory / "config.json").write_text(json.dumps(config))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if c.tie_word_embeddings:
         del state["lm_head.weight"]
     save_file(state, str(directory / "model.safetensors"))
+    return state
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -356,7 +368,7 @@ def test_cli_bench_refuses_bad_model_device_and_dtype(
     assert "config.json" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     assert main(["bench", "--model", str(tmp_path), *small]) == 2
-    assert "config.json has no" in capsys.readouterr().err
+    assert "config.json has no 'vocab_size'" in capsys.readouterr().err
     assert main(["bench", "--device", "warp-drive", *small]) == 2
     assert "not a torch device" in capsys.readouterr().err
     if not torch.cuda.is_available():
@@ -389,28 +401,20 @@ def test_load_hugging_face_directory(tmp_path: Path, layout: str, tied: bool) ->
 
     config = _config(tie_word_embeddings=tied, rope_theta=5000.0, attention_bias=True, head_dim=16)
     model = LlamaForCausalLM.random(config, seed=7)
-    raw = {
+    # Qwen2 declares no attention_bias: its biases come from the model type.
+    overrides: dict[str, object] = {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        "vocab_size": 97,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
         "head_dim": 16,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": tied,
     }
     if layout == "transformers4":
-        raw |= {"rope_theta": 5000.0, "rope_scaling": None}
+        overrides |= {"rope_theta": 5000.0, "rope_scaling": None}
     else:
-        raw |= {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}}
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if tied:
-        del state["lm_head.weight"]
-    save_file(state, str(tmp_path / "model.safetensors"))
+        overrides |= {
+            "rope_theta": OMIT,
+            "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"},
+        }
+    state = _save_hf_directory(tmp_path, model, overrides)
     loaded = load_pretrained(tmp_path)
     ids = torch.tensor([1, 2, 3, 50, 96])
     torch.testing.assert_close(loaded.forward_dense(ids), model.forward_dense(ids))
@@ -418,6 +422,16 @@ def test_load_hugging_face_directory(tmp_path: Path, layout: str, tied: bool) ->
     del state["model.norm.weight"]
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="missing"):
+        load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"],
+)
+def test_a_missing_config_key_is_a_value_error_naming_it(tmp_path: Path, key: str) -> None:
+    _save_hf_directory(tmp_path, LlamaForCausalLM.random(_config(), seed=2), {key: OMIT})
+    with pytest.raises(ValueError, match=f"config.json has no '{key}'"):
         load_pretrained(tmp_path)
 
 

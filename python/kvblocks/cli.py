@@ -152,10 +152,7 @@ def bench(args: argparse.Namespace) -> int:
     model_name = "embedded tiny model"
     vocab_size = LlamaConfig().vocab_size
     if args.model:
-        try:
-            model = load_pretrained(args.model, dtype=dtype, device=device)
-        except KeyError as e:
-            raise ValueError(f"{args.model}/config.json has no {e}") from e
+        model = load_pretrained(args.model, dtype=dtype, device=device)
         model_name, vocab_size = f"model {args.model}", model.config.vocab_size
     prompts = shared_prefix_prompts(
         args.num_requests, args.prefix_len, args.suffix_len, vocab_size=vocab_size

@@ -10,6 +10,14 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear")
+#: The ``config.json`` keys without a default here.
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,9 @@ class LlamaConfig:
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0))
+        for key in _REQUIRED_KEYS:
+            if key not in raw:
+                raise ValueError(f"config.json has no {key!r}")
         num_heads = raw["num_attention_heads"]
         return cls(
             vocab_size=raw["vocab_size"],

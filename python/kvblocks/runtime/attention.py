@@ -23,7 +23,6 @@ import functools
 import importlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -52,20 +51,80 @@ class DecodeBucket:
 
 
 @dataclass(frozen=True)
+class PrefillChunk:
+    """A request's several new tokens (step indices ``first:end``), the last of its ``length``
+    context tokens."""
+
+    request: int
+    first: int
+    end: int
+    length: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """How one step's requests are attended, for one block size (built on the host once per
-    step and reused by every layer)."""
+    step and reused by every layer). What only the torch path reads (the decode buckets, the
+    prefill chunks' context slots) is built on its first use."""
 
-    decode: list[DecodeBucket]
-    #: Prefill chunks: (first token, end token, context length, context slots [seq_len]).
-    prefill: list[tuple[int, int, int, torch.Tensor]]
-    max_num_blocks: int  # highest block id the step reads, plus one
-    #: The step index of every decode's one new token (all buckets, on the device).
+    block_size: int
+    #: The step index of every decode's one new token (request order, on the device).
     decode_tokens: torch.Tensor
-    #: The request of each prefill chunk.
-    prefill_requests: list[int]
-    #: Per-step data other backends derive from the plan (the Triton path's query tiles).
-    extras: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    prefill: list[PrefillChunk]
+    max_num_blocks: int  # highest block id the step reads, plus one
+    #: Host copies of the block table, ``seq_lens`` and ``query_start_loc``, and the decodes'
+    #: requests (for the torch path's buckets and slots).
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(compare=False, repr=False)
+    decode_requests: torch.Tensor = field(compare=False, repr=False)
+    device: torch.device = field(compare=False, repr=False)
+    #: The Triton path's prefill query tiles (request, first token, count), by tile size.
+    triton_tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @functools.cached_property
+    def decode(self) -> list[DecodeBucket]:
+        """The decodes sorted by context length into buckets (on the device)."""
+        _, lens, starts = self.host
+        decodes = self.decode_requests
+        decodes = decodes[torch.argsort(lens[decodes], descending=True, stable=True)]
+        decode_lens = lens[decodes].tolist()
+        buckets = []
+        first = 0
+        while first < len(decode_lens):
+            longest, end = decode_lens[first], first + 1
+            while end < len(decode_lens) and (
+                decode_lens[end] >= _BUCKET_RATIO * longest
+                or decode_lens[end] >= longest - _BUCKET_SLACK
+            ):
+                end += 1
+            group = decodes[first:end]
+            mask = None
+            if decode_lens[end - 1] != longest:
+                mask = (torch.arange(longest)[None, :] < lens[group][:, None])[:, None, None, :]
+                mask = mask.to(self.device)
+            slots = self._context_slots(group, longest).to(self.device)
+            buckets.append(DecodeBucket(starts[group].to(self.device), slots, mask))
+            first = end
+        return buckets
+
+    @functools.cached_property
+    def prefill_slots(self) -> list[torch.Tensor]:
+        """Each prefill chunk's context slots (``[length]``, on the device)."""
+        return [
+            self._context_slots(torch.tensor([c.request]), c.length)[0].to(self.device)
+            for c in self.prefill
+        ]
+
+    def _context_slots(self, reqs: torch.Tensor, width: int) -> torch.Tensor:
+        """``[len(reqs), width]``: the slots of each request's context, padded past its own
+        length with its first slot."""
+        table, lens, _ = self.host
+        last = (lens[reqs] - 1).clamp(min=0)[:, None]
+        pos = torch.minimum(torch.arange(width)[None, :], last)
+        return (
+            table[reqs[:, None], pos // self.block_size] * self.block_size + pos % self.block_size
+        )
 
 
 @dataclass(frozen=True)
@@ -81,9 +140,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T]: its position in the sequence
     max_query_len: int
     #: Host copies of ``block_table``, ``seq_lens`` and ``query_start_loc`` (for planning).
-    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
-        default=None, compare=False, repr=False
-    )
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = field(compare=False, repr=False)
     _plans: dict[int, StepPlan] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -170,12 +227,7 @@ class AttentionMetadata:
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
-    if meta.host is not None:
-        table, lens, starts = meta.host
-    else:
-        table, lens, starts = (
-            t.to("cpu", torch.long) for t in (meta.block_table, meta.seq_lens, meta.query_start_loc)
-        )
+    table, lens, starts = meta.host
     device = meta.block_table.device
     query_lens = starts[1:] - starts[:-1]
     needed = (lens + block_size - 1) // block_size
@@ -189,45 +241,19 @@ def _make_plan(meta: AttentionMetadata, block_size: int) -> StepPlan:
         cols = torch.arange(table.shape[1])[None, :] < needed[:, None]
         if bool(cols.any()):
             max_block = int(table[cols].max())
-
-    def context_slots(reqs: torch.Tensor, width: int) -> torch.Tensor:
-        """``[len(reqs), width]``: the slots of each request's context, padded past its own
-        length with its first slot."""
-        last = (lens[reqs] - 1).clamp(min=0)[:, None]
-        pos = torch.minimum(torch.arange(width)[None, :], last)
-        return table[reqs[:, None], pos // block_size] * block_size + pos % block_size
-
-    buckets = []
     decodes = torch.nonzero(query_lens == 1).flatten()
-    decodes = decodes[torch.argsort(lens[decodes], descending=True, stable=True)]
-    decode_lens = lens[decodes].tolist()
-    first = 0
-    while first < len(decode_lens):
-        longest, end = decode_lens[first], first + 1
-        while end < len(decode_lens) and (
-            decode_lens[end] >= _BUCKET_RATIO * longest
-            or decode_lens[end] >= longest - _BUCKET_SLACK
-        ):
-            end += 1
-        group = decodes[first:end]
-        mask = None
-        if decode_lens[end - 1] != longest:
-            mask = (torch.arange(longest)[None, :] < lens[group][:, None])[:, None, None, :]
-            mask = mask.to(device)
-        slots = context_slots(group, longest).to(device)
-        buckets.append(DecodeBucket(starts[group].to(device), slots, mask))
-        first = end
-    prefill = []
-    for r in torch.nonzero(query_lens > 1).flatten().tolist():
-        length = int(lens[r])
-        slots = context_slots(torch.tensor([r]), length)[0]
-        prefill.append((int(starts[r]), int(starts[r + 1]), length, slots.to(device)))
+    prefill = [
+        PrefillChunk(r, int(starts[r]), int(starts[r + 1]), int(lens[r]))
+        for r in torch.nonzero(query_lens > 1).flatten().tolist()
+    ]
     return StepPlan(
-        decode=buckets,
+        block_size=block_size,
+        decode_tokens=starts[decodes].to(device),
         prefill=prefill,
         max_num_blocks=max_block + 1,
-        decode_tokens=starts[torch.nonzero(query_lens == 1).flatten()].to(device),
-        prefill_requests=torch.nonzero(query_lens > 1).flatten().tolist(),
+        host=meta.host,
+        decode_requests=decodes,
+        device=device,
     )
 
 
@@ -276,15 +302,13 @@ def paged_attention(
     if backend == "triton" or (backend == "auto" and _auto_triton(query)):
         from kvblocks.runtime import triton_attention
 
-        if backend == "triton":
-            return triton_attention.triton_paged_attention(
-                query, key_cache, value_cache, meta, plan, scale
-            )
         try:
             return triton_attention.triton_paged_attention(
                 query, key_cache, value_cache, meta, plan, scale
             )
         except Exception as e:  # a kernel that does not build here: the torch path works
+            if backend == "triton":
+                raise
             _TRITON_FAILURES.append(repr(e))
             warnings.warn(
                 f"the Triton paged-attention kernel failed ({e!r}); using the torch path "
@@ -297,9 +321,9 @@ def paged_attention(
         out[bucket.tokens] = _decode_attention(
             query[bucket.tokens], key_cache, value_cache, bucket, scale
         )
-    for first, end, length, slots in plan.prefill:
-        out[first:end] = _prefill_attention(
-            query[first:end], key_cache, value_cache, slots, length, scale
+    for chunk, slots in zip(plan.prefill, plan.prefill_slots, strict=True):
+        out[chunk.first : chunk.end] = _prefill_attention(
+            query[chunk.first : chunk.end], key_cache, value_cache, slots, chunk.length, scale
         )
     return out
 

@@ -274,9 +274,9 @@ def triton_paged_attention(
         )
     if plan.prefill:
         tile = max(_ROWS // group_pow2, 1)
-        tiles = plan.extras.get(f"triton_tiles_{tile}")
+        tiles = plan.triton_tiles.get(tile)
         if tiles is None:
-            tiles = plan.extras[f"triton_tiles_{tile}"] = _tiles(meta, plan, tile)
+            tiles = plan.triton_tiles[tile] = _tiles(meta, plan, tile)
         prefill_kernel[(len(tiles[0]), kv_heads)](
             out,
             q,
@@ -306,11 +306,11 @@ def _tiles(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The prefill chunks cut into tiles of ``tile`` tokens: (request, first token, count)."""
     request, first, count = [], [], []
-    for r, (start, end, _, _) in zip(plan.prefill_requests, plan.prefill, strict=True):
-        for a in range(start, end, tile):
-            request.append(r)
+    for chunk in plan.prefill:
+        for a in range(chunk.first, chunk.end, tile):
+            request.append(chunk.request)
             first.append(a)
-            count.append(min(tile, end - a))
+            count.append(min(tile, chunk.end - a))
     device = meta.block_table.device
     return (
         torch.tensor(request, dtype=torch.long, device=device),
