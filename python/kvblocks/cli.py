@@ -216,7 +216,10 @@ def _engine_defaults(args: argparse.Namespace, **defaults: Any) -> None:
 def bench_vllm(args: argparse.Namespace) -> int:
     """Stock vLLM 0.33 against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU)."""
     _engine_defaults(args, num_requests=256, prefix_len=1500, suffix_len=500, hash_algo="sha256")
-    if args.hash_algo not in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+    from kvblocks.vllm import status
+    from kvblocks.vllm.block_hasher import ALGORITHMS
+
+    if args.hash_algo not in ALGORITHMS:
         print(f"vLLM has no hash algorithm {args.hash_algo!r}", file=sys.stderr)
         return 2
     try:
@@ -243,7 +246,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
     with tqdm(total=len(IMPLS) * (args.rounds + 1), desc="vLLM scheduler", unit="run") as bar:
         result = compare(workload, spec, rounds=args.rounds, progress=lambda impl: bar.update())
     print(
-        f"\nkvblocks {kvblocks.__version__} in vLLM {_vllm_version()}: {args.num_requests} "
+        f"\nkvblocks {kvblocks.__version__} in vLLM {status().vllm_version}: {args.num_requests} "
         f"requests, {workload.prompt_len}-token prompts sharing {workload.shared_len}, "
         f"{args.output_len} output tokens, block size {args.block_size}, {args.num_blocks} "
         f"blocks, {args.hash_algo}; vLLM's V1 scheduler with a fake model on the CPU, median "
@@ -274,12 +277,6 @@ def bench_vllm(args: argparse.Namespace) -> int:
     if args.plot:
         _plot_vllm(result, args.plot)
     return 0 if result.identical else 1
-
-
-def _vllm_version() -> str:
-    from importlib.metadata import version
-
-    return version("vllm")
 
 
 def _plot_vllm(result: Any, path: str) -> None:

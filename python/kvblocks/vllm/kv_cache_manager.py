@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     maybe_convert_block_hash,
@@ -81,21 +82,24 @@ class KVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        from kvblocks.vllm.support import unsupported_manager_arguments
+        from kvblocks.vllm.support import Unsupported, unsupported_manager_arguments
 
-        reason = unsupported_manager_arguments(
-            kv_cache_config,
-            scheduler_block_size=scheduler_block_size,
-            hash_block_size=hash_block_size,
-            use_eagle=use_eagle,
-            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-            num_prefill_lookahead=num_prefill_lookahead,
-            dcp_world_size=dcp_world_size,
-            pcp_world_size=pcp_world_size,
-            metrics_collector=metrics_collector,
-        )
+        try:
+            reason = unsupported_manager_arguments(
+                kv_cache_config,
+                scheduler_block_size=scheduler_block_size,
+                hash_block_size=hash_block_size,
+                use_eagle=use_eagle,
+                num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+                num_prefill_lookahead=num_prefill_lookahead,
+                dcp_world_size=dcp_world_size,
+                pcp_world_size=pcp_world_size,
+                metrics_collector=metrics_collector,
+            )
+        except Exception as error:  # an unexpected config shape
+            raise Unsupported("guard_error") from error
         if reason is not None:
-            raise ValueError(f"kvblocks' KVCacheManager does not support {reason}")
+            raise Unsupported(reason)
         if watermark < 0.0:
             raise ValueError("watermark must be non-negative")
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -191,34 +195,17 @@ class KVCacheManager:
     def take_boundary_state_offloads(self) -> dict[str, Any]:
         return {}
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM 0.33 (cascade attention was removed): always 0."""
-        return [0]
+    # vLLM's own code where it only reads what this class sets the same way.
+    get_num_common_prefix_blocks = VllmKVCacheManager.get_num_common_prefix_blocks
+    prefix_cache_lookup_enabled = VllmKVCacheManager.prefix_cache_lookup_enabled
+    record_prefix_cache_stats = VllmKVCacheManager.record_prefix_cache_stats
+    make_prefix_cache_stats = VllmKVCacheManager.make_prefix_cache_stats
 
     # -- statistics and events ---------------------------------------------------------------
 
     @property
     def usage(self) -> float:
-        return float(self._core.usage)
-
-    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = PrefixCacheStats()
-        return stats
+        return self._core.usage
 
     def reset_prefix_cache(self) -> bool:
         if not self._core.reset_prefix_cache():

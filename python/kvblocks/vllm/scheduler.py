@@ -29,7 +29,7 @@ from vllm.v1.core.sched import scheduler as _scheduler_module
 
 from kvblocks.vllm import _state
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
-from kvblocks.vllm.support import unsupported_config, unsupported_manager_arguments
+from kvblocks.vllm.support import Unsupported, unsupported_config
 
 _building = threading.local()
 
@@ -56,23 +56,13 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
         return _vllm_manager_class()(**kwargs)
     try:
         reason = unsupported_config(vllm_config, allowed_scheduler_cls=(Scheduler, AsyncScheduler))
-        if reason is None:
-            reason = unsupported_manager_arguments(
-                kwargs["kv_cache_config"],
-                scheduler_block_size=kwargs["scheduler_block_size"],
-                hash_block_size=kwargs.get("hash_block_size"),
-                use_eagle=kwargs.get("use_eagle", False),
-                num_hash_lookahead_tokens=kwargs.get("num_hash_lookahead_tokens", 0),
-                num_prefill_lookahead=kwargs.get("num_prefill_lookahead", 0),
-                dcp_world_size=kwargs.get("dcp_world_size", 1),
-                pcp_world_size=kwargs.get("pcp_world_size", 1),
-                metrics_collector=kwargs.get("metrics_collector"),
-            )
     except Exception:  # an unexpected config shape: never break vLLM's start-up
         reason = "guard_error"
     if reason is None:
-        try:
+        try:  # the manager checks its own arguments
             manager = KVCacheManager(**kwargs)
+        except Unsupported as refusal:
+            reason = refusal.reason
         except Exception as error:  # a bug of ours must not stop vLLM: use vLLM's manager
             _state.logger().warning("kvblocks: could not build its KV-cache manager: %s", error)
             reason = "guard_error"

@@ -16,6 +16,14 @@ from typing import Any
 from kvblocks.vllm.block_hasher import ALGORITHMS
 
 
+class Unsupported(ValueError):
+    """kvblocks' ``KVCacheManager`` refused its arguments; ``reason`` is the short name."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"kvblocks' KVCacheManager does not support {reason}")
+        self.reason = reason
+
+
 def unsupported_manager_arguments(
     kv_cache_config: Any,
     *,

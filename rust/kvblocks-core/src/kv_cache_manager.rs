@@ -240,10 +240,13 @@ impl KvCacheManager {
         };
 
         // Nothing has changed up to here; from now on the allocation succeeds.
-        if !self.requests.contains_key(request_id) {
+        if held.is_none() {
             self.requests.insert(request_id.to_owned(), RequestBlocks::default());
         }
-        let Some(request) = self.requests.get_mut(request_id) else { return Ok(None) };
+        let request = self
+            .requests
+            .get_mut(request_id)
+            .ok_or(CoreError::Internal("a request just inserted is missing"))?;
         if !hits.is_empty() {
             // check_hits: a first allocation with caching on.
             self.pool.touch(hits);
@@ -252,8 +255,11 @@ impl KvCacheManager {
         }
         let new_blocks = self.pool.get_new_blocks(target.saturating_sub(request.blocks.len()));
         request.blocks.extend_from_slice(&new_blocks);
-        self.drain_pool_events();
-        self.register(request_id, done, to_cache);
+        // The evictions of get_new_blocks are reported before what this call registers.
+        Self::drain_pool_events(&mut self.pool, &mut self.events);
+        let entry = (request_id, request);
+        let (pool, events, b) = (&mut self.pool, &mut self.events, self.config.block_size);
+        Self::register(pool, events, b, entry, done, to_cache);
         Ok(Some(new_blocks))
     }
 
@@ -274,22 +280,28 @@ impl KvCacheManager {
         (done..full.max(done)).map(|i| hashes.get(i)).collect()
     }
 
-    /// Registers the request's blocks `done..done + keys.len()` under `keys` (vLLM's
-    /// `cache_full_blocks`) and records one `Stored` event for them.
-    fn register(&mut self, request_id: &str, done: usize, keys: Vec<BlockHash>) {
+    /// Registers `request`'s blocks `done..done + keys.len()` under `keys` (vLLM's
+    /// `cache_full_blocks`) and records one `Stored` event for them. Takes the fields it
+    /// touches, so a caller holding the request needs no second lookup.
+    fn register(
+        pool: &mut BlockPool,
+        events: &mut Vec<ManagerEvent>,
+        block_size: usize,
+        (request_id, request): (&str, &mut RequestBlocks),
+        done: usize,
+        keys: Vec<BlockHash>,
+    ) {
         if keys.is_empty() {
             return;
         }
-        let b = self.config.block_size;
-        let Some(request) = self.requests.get_mut(request_id) else { return };
         let end = done + keys.len();
         let blocks = request.blocks.get(done..end).unwrap_or_default();
         for (index, (&block, key)) in (done..).zip(blocks.iter().zip(keys)) {
-            self.pool.cache_block(block, key, (index + 1) * b);
+            pool.cache_block(block, key, (index + 1) * block_size);
         }
         request.num_cached = Some(end);
-        if self.pool.events_enabled() {
-            self.events.push(ManagerEvent::Stored {
+        if pool.events_enabled() {
+            events.push(ManagerEvent::Stored {
                 request_id: request_id.to_owned(),
                 first: done,
                 end,
@@ -308,7 +320,12 @@ impl KvCacheManager {
         let Some(request) = self.requests.get(request_id) else { return Ok(()) };
         let done = request.num_cached.unwrap_or(0);
         let keys = self.keys_to_cache(done, num_tokens, request.blocks.len(), hashes)?;
-        self.register(request_id, done, keys);
+        let request = self
+            .requests
+            .get_mut(request_id)
+            .ok_or(CoreError::Internal("a request found a moment ago is missing"))?;
+        let entry = (request_id, request);
+        Self::register(&mut self.pool, &mut self.events, self.config.block_size, entry, done, keys);
         Ok(())
     }
 
@@ -343,24 +360,24 @@ impl KvCacheManager {
     /// vLLM's `reset_prefix_cache`: only when no request holds a block.
     pub fn reset_prefix_cache(&mut self) -> bool {
         let done = self.pool.reset_prefix_cache();
-        self.drain_pool_events();
+        Self::drain_pool_events(&mut self.pool, &mut self.events);
         done
     }
 
     /// The events since the last call, oldest first.
     pub fn take_events(&mut self) -> Vec<ManagerEvent> {
-        self.drain_pool_events();
+        Self::drain_pool_events(&mut self.pool, &mut self.events);
         std::mem::take(&mut self.events)
     }
 
-    fn drain_pool_events(&mut self) {
-        if !self.pool.events_enabled() {
+    fn drain_pool_events(pool: &mut BlockPool, events: &mut Vec<ManagerEvent>) {
+        if !pool.events_enabled() {
             return;
         }
-        for event in self.pool.take_events() {
+        for event in pool.take_events() {
             match event {
-                KvEvent::BlockRemoved(hash) => self.events.push(ManagerEvent::Removed(hash)),
-                KvEvent::AllBlocksCleared => self.events.push(ManagerEvent::AllBlocksCleared),
+                KvEvent::BlockRemoved(hash) => events.push(ManagerEvent::Removed(hash)),
+                KvEvent::AllBlocksCleared => events.push(ManagerEvent::AllBlocksCleared),
                 KvEvent::BlockStored(_) => {}
             }
         }

@@ -4,7 +4,8 @@
 //! hashes are read from the request's `list[bytes]` in place, only where the call needs them.
 
 use crate::errors::GlueResult;
-use crate::sync::lock;
+use crate::hasher::hash_bytes;
+use crate::sync::{lock, lock_attached};
 use kvblocks_core::{
     AllocateArgs, BlockHash, CoreError, CoreResult, HashSource, KvCacheConfig, KvCacheManager,
     ManagerEvent,
@@ -225,18 +226,18 @@ impl PyKvCacheCore {
             )
             .into());
         }
-        let hits = match new_computed_blocks {
+        let hit_ids = match new_computed_blocks {
             Some(blocks) if !blocks.is(self.empty.bind(py)) && !blocks.is_none() => {
-                let blocks = blocks.cast::<PyKvCacheBlockIds>().map_err(|_| {
+                Some(blocks.cast::<PyKvCacheBlockIds>().map_err(|_| {
                     PyTypeError::new_err(format!(
                         "new_computed_blocks must come from get_computed_blocks, got {}",
                         type_name(blocks)
                     ))
-                })?;
-                blocks.get().ids.clone()
+                })?)
             }
-            _ => Vec::new(),
+            _ => None,
         };
+        let hits = hit_ids.map_or(&[][..], |blocks| blocks.get().ids.as_slice());
         let request_id = request.getattr(intern!(py, "request_id"))?;
         let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
@@ -256,7 +257,8 @@ impl PyKvCacheCore {
             apply_watermark,
         };
         let hashes = hashes_arg(&block_hashes)?;
-        let new = self.lock()?.allocate_slots(request_id, &args, &hits, &hashes)?;
+        let new =
+            lock_attached(py, &self.inner)?.allocate_slots(request_id, &args, hits, &hashes)?;
         Ok(new.map(|ids| self.blocks(py, ids)).transpose()?)
     }
 
@@ -313,10 +315,7 @@ impl PyKvCacheCore {
             let item = match event {
                 ManagerEvent::Removed(hash) => PyTuple::new(
                     py,
-                    [
-                        ("removed").into_pyobject(py)?.into_any(),
-                        PyBytes::new(py, hash.as_bytes()).into_any(),
-                    ],
+                    [("removed").into_pyobject(py)?.into_any(), hash_bytes(py, &hash).into_any()],
                 )?,
                 ManagerEvent::Stored { request_id, first, end } => PyTuple::new(
                     py,
