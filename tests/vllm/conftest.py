@@ -42,3 +42,11 @@ def _vllm_unpatched() -> Iterator[None]:
     kvblocks.vllm.uninstall()
     yield
     kvblocks.vllm.uninstall()
+
+
+@pytest.fixture(params=[False, True])
+def async_scheduling(request: pytest.FixtureRequest) -> bool:
+    """Each test that takes it runs with the synchronous scheduler and with async scheduling
+    (``AsyncScheduler``, model outputs one step late)."""
+    value: bool = request.param
+    return value

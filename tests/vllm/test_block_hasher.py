@@ -24,9 +24,9 @@ from vllm.v1.request import Request
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
+from kvblocks.vllm.block_hasher import ALGORITHMS
 from kvblocks.vllm.simulate import make_request
 
-ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 Hasher = Callable[[Request], list[bytes]]
 
 
@@ -78,7 +78,7 @@ def _clear_fallbacks() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("seed", [None, "0", "a shared seed"])
-@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("algo", ALGORITHMS)
 def test_prompt_hashes_match_vllm(
     algo: str, seed: str | None, monkeypatch: pytest.MonkeyPatch, vllm_calls: VllmHashCalls
 ) -> None:
@@ -98,7 +98,7 @@ def test_prompt_hashes_match_vllm(
     assert fallbacks() == {}
 
 
-@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("algo", ALGORITHMS)
 def test_appends_across_block_boundaries_and_truncation(
     algo: str, vllm_calls: VllmHashCalls
 ) -> None:
@@ -160,7 +160,7 @@ EXTRA_KEY_CASES: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("case", list(EXTRA_KEY_CASES))
-@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("algo", ALGORITHMS)
 def test_extra_keys_match_vllm(algo: str, case: str, vllm_calls: VllmHashCalls) -> None:
     stock, ours = both_hashers(algo, 8)
     kwargs = EXTRA_KEY_CASES[case]
@@ -303,7 +303,7 @@ features_strategy = st.lists(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    algo=st.sampled_from(ALGOS),
+    algo=st.sampled_from(ALGORITHMS),
     block_size=st.sampled_from([1, 2, 3, 4, 16]),
     prompt=st.lists(st.integers(0, 2**32 - 1), max_size=80),
     appends=st.lists(st.lists(st.integers(0, 2**31), min_size=1, max_size=9), max_size=12),

@@ -104,6 +104,12 @@ def full(block_size: int = 16) -> FullAttentionSpec:
     )
 
 
+def sliding(block_size: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64
+    )
+
+
 def test_supported_configuration_gets_kvblocks(model_dir: Path) -> None:
     assert isinstance(decide(model_dir), KVCacheManager)
     assert dict(_state.fallbacks) == {}
@@ -151,10 +157,7 @@ def test_lookahead_falls_back(model_dir: Path, kwargs: dict[str, int]) -> None:
 
 
 def test_kv_cache_layouts_fall_back(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    sliding = SlidingWindowSpec(
-        block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64
-    )
-    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(sliding)), "kv_cache_spec")
+    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(sliding())), "kv_cache_spec")
     two = kv_cache_config(full(), full())
     assert fell_back(decide(model_dir, kv_cache_config=two), "kv_cache_groups")
     eagle = kv_cache_config(full())
@@ -175,24 +178,12 @@ def test_real_scheduler_with_sliding_window_runs_on_vllm(
     model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """End to end: vLLM builds its own manager, logs one line, and schedules normally."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
     kvblocks.vllm.install("all")
     _state.fallbacks.clear()
     _state._logged.clear()  # each reason is logged once per process
-    spec = SchedulerSpec()
-    vllm_config = make_vllm_config(model_dir, spec)
-    sliding = SlidingWindowSpec(
-        block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64
-    )
     with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
-        sched = Scheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config(sliding),
-            log_stats=True,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=16,
+        sched = make_scheduler(
+            model_dir, SchedulerSpec(), kv_cache_config=kv_cache_config(sliding())
         )
     assert type(sched.kv_cache_manager) is VllmKVCacheManager
     assert dict(_state.fallbacks) == {("kv_cache_manager", "kv_cache_spec"): 1}
@@ -203,23 +194,13 @@ def test_real_scheduler_with_sliding_window_runs_on_vllm(
 
 
 def test_explicit_scheduler_class_asks_even_when_off(model_dir: Path) -> None:
-    from vllm.v1.structured_output import StructuredOutputManager
-
     kvblocks.vllm.install("off")
-    spec = SchedulerSpec()
-    vllm_config = make_vllm_config(model_dir, spec)
-    vllm_config.scheduler_config.scheduler_cls = "kvblocks.vllm.Scheduler"
+    spec = SchedulerSpec(scheduler={"scheduler_cls": "kvblocks.vllm.Scheduler"})
     for cls in (kvblocks.vllm.Scheduler, kvblocks.vllm.AsyncScheduler):
-        sched = cls(
-            vllm_config=vllm_config,
-            kv_cache_config=make_kv_cache_config(spec),
-            log_stats=True,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=16,
-        )
+        sched = make_scheduler(model_dir, spec, scheduler_cls=cls)
         assert type(sched.kv_cache_manager) is KVCacheManager
     # Without asking, a plain vLLM scheduler still gets vLLM's manager.
-    plain = make_scheduler(model_dir, spec)
+    plain = make_scheduler(model_dir, SchedulerSpec())
     assert type(plain.kv_cache_manager) is VllmKVCacheManager
 
 

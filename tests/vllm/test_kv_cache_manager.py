@@ -9,22 +9,34 @@ the result of any ``reset_prefix_cache``; the run ends with every request's bloc
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.lora.request import LoRARequest
-from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
 
-import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.kv_cache_manager import KVCacheManager
-from kvblocks.vllm.simulate import SchedulerSpec, block_hasher, make_request, make_scheduler, run
+from kvblocks.vllm.block_hasher import ALGORITHMS
+from kvblocks.vllm.simulate import (
+    IMPLS,
+    SchedulerSpec,
+    block_hasher,
+    implementation,
+    make_request,
+    make_scheduler,
+    run,
+)
 
-ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+Hasher = Callable[[Request], list[bytes]]
+T = TypeVar("T")
+#: The module of the request block hasher ``kv_cache_utils`` builds, by implementation.
+HASHER_MODULES = {"vllm": "vllm.v1.core.kv_cache_utils", "kvblocks": "kvblocks.vllm.block_hasher"}
 
 
 @dataclass
@@ -45,37 +57,54 @@ class Script:
     resets: list[int] = field(default_factory=list)
 
 
-def play(model_dir: Path, script: Script) -> tuple[list[Any], Any]:
-    """One run of the script on a fresh scheduler; returns the records and its manager."""
-    spec = script.spec
-    scheduler = make_scheduler(model_dir, spec)
-    hasher = block_hasher(spec.hash_algo, spec.block_size) if spec.enable_caching else None
+def on_each_manager(
+    model_dir: Path,
+    spec: SchedulerSpec,
+    play: Callable[[Scheduler, Hasher], T],
+    *,
+    seed: str = "0",
+) -> list[T]:
+    """``play`` on a fresh scheduler and request block hasher for ``spec``, with stock vLLM,
+    then with kvblocks; asserts each run had the KV-cache manager and the hasher it should."""
+    results = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONHASHSEED", seed)  # one NONE_HASH for both runs (xxhash)
+        for impl in IMPLS:
+            with implementation(impl) as manager:
+                scheduler = make_scheduler(model_dir, spec)
+                assert type(scheduler.kv_cache_manager) is manager
+                hasher = block_hasher(spec.hash_algo, spec.block_size)
+                assert hasher.__module__ == HASHER_MODULES[impl]
+                results.append(play(scheduler, hasher))
+    return results
+
+
+def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
+    """One run of the script (no request hashing where prefix caching is off, as in
+    ``EngineCore``)."""
     arrivals = []
     for i, r in enumerate(script.requests):
         kwargs: dict[str, Any] = {"cache_salt": r.salt}
         if r.lora is not None:
             kwargs["lora_request"] = LoRARequest(f"adapter-{r.lora}", r.lora, f"/lora/{r.lora}")
         request = make_request(
-            f"r{i}", r.prompt, hasher, max_tokens=r.max_tokens, sampling=r.sampling, **kwargs
+            f"r{i}",
+            r.prompt,
+            hasher if script.spec.enable_caching else None,
+            max_tokens=r.max_tokens,
+            sampling=r.sampling,
+            **kwargs,
         )
         arrivals.append((r.step, request))
     aborts = [(step, f"r{i}") for step, i in script.aborts]
-    records = run(scheduler, arrivals, aborts=aborts, resets=script.resets, max_steps=5_000)
-    return records, scheduler.kv_cache_manager
+    return run(scheduler, arrivals, aborts=aborts, resets=script.resets, max_steps=5_000)
 
 
 def both(model_dir: Path, script: Script, *, seed: str = "0") -> tuple[list[Any], list[Any]]:
     """(stock vLLM's records, kvblocks' records); asserts kvblocks' manager really ran."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONHASHSEED", seed)  # one NONE_HASH for both runs (xxhash)
-        kvblocks.vllm.uninstall()
-        stock, stock_manager = play(model_dir, script)
-        kvblocks.vllm.install("all")
-        _state.fallbacks.clear()
-        ours, our_manager = play(model_dir, script)
-        kvblocks.vllm.uninstall()
-    assert type(stock_manager) is VllmKVCacheManager
-    assert type(our_manager) is KVCacheManager
+    stock, ours = on_each_manager(
+        model_dir, script.spec, lambda scheduler, hasher: play(script, scheduler, hasher), seed=seed
+    )
     assert not any(part == "kv_cache_manager" for part, _ in _state.fallbacks)
     return stock, ours
 
@@ -86,19 +115,43 @@ def assert_same(stock: list[Any], ours: list[Any]) -> None:
         assert b == a, f"step {step} differs"
 
 
-def shared_prefix_script(spec: SchedulerSpec, n: int, seed: int, **request_kwargs: Any) -> Script:
+def events_spec(num_blocks: int, max_num_batched_tokens: int = 32, **kw: Any) -> SchedulerSpec:
+    """Block size 4 and KV events on, unless ``kw`` says otherwise."""
+    kw = {"block_size": 4, "kv_events": True, **kw}
+    return SchedulerSpec(num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, **kw)
+
+
+def shared_prefix_script(
+    spec: SchedulerSpec,
+    n: int,
+    seed: int,
+    *,
+    vocab: int = 1000,
+    prefix_lens: tuple[int, int] = (1, 70),
+    suffix_lens: tuple[int, int] = (0, 40),
+    arrival_steps: int = 25,
+    **request_kwargs: Any,
+) -> Script:
+    """``n`` requests arriving over ``arrival_steps`` steps, each prompt one of three prefixes
+    then a suffix of its own (lengths in ``range(*prefix_lens)``, ``range(*suffix_lens)``)."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(1, 70))] for _ in range(3)]
+
+    def tokens(lens: tuple[int, int]) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(rng.randrange(*lens))]
+
+    prefixes = [tokens(prefix_lens) for _ in range(3)]
     requests = []
     for _ in range(n):
-        prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(0, 40))]
+        prompt = rng.choice(prefixes) + tokens(suffix_lens)
         requests.append(
-            RequestSpec(prompt, rng.randrange(1, 30), rng.randrange(0, 25), **request_kwargs)
+            RequestSpec(
+                prompt, rng.randrange(1, 30), rng.randrange(0, arrival_steps), **request_kwargs
+            )
         )
     return Script(spec, requests)
 
 
-@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("algo", ALGORITHMS)
 def test_shared_prefixes_chunked_prefill_and_preemption(model_dir: Path, algo: str) -> None:
     spec = SchedulerSpec(block_size=8, num_blocks=40, hash_algo=algo, max_num_batched_tokens=48)
     stock, ours = both(model_dir, shared_prefix_script(spec, 40, seed=3))
@@ -108,16 +161,8 @@ def test_shared_prefixes_chunked_prefill_and_preemption(model_dir: Path, algo: s
     assert hits > 0, "shared prefixes must hit"
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_kv_events_stats_aborts_and_resets(model_dir: Path, async_scheduling: bool) -> None:
-    spec = SchedulerSpec(
-        block_size=4,
-        num_blocks=48,
-        max_num_batched_tokens=32,
-        kv_events=True,
-        async_scheduling=async_scheduling,
-        watermark=0.05,
-    )
+    spec = events_spec(48, async_scheduling=async_scheduling, watermark=0.05)
     script = shared_prefix_script(spec, 30, seed=11)
     script.requests[3].lora = 2
     script.requests[5].salt = "tenant"
@@ -136,7 +181,7 @@ def test_kv_events_stats_aborts_and_resets(model_dir: Path, async_scheduling: bo
 
 
 def test_prefix_caching_off(model_dir: Path) -> None:
-    spec = SchedulerSpec(block_size=4, num_blocks=50, enable_caching=False, kv_events=True)
+    spec = events_spec(50, max_num_batched_tokens=2048, enable_caching=False)
     stock, ours = both(model_dir, shared_prefix_script(spec, 20, seed=5))
     assert_same(stock, ours)
 
@@ -196,7 +241,7 @@ def scripts(draw: st.DrawFn) -> Script:
     spec = SchedulerSpec(
         block_size=block_size,
         num_blocks=draw(st.integers(min_blocks, min_blocks + 40)),
-        hash_algo=draw(st.sampled_from(ALGOS)),
+        hash_algo=draw(st.sampled_from(ALGORITHMS)),
         enable_caching=draw(st.sampled_from([True, True, True, False])),
         max_num_seqs=draw(st.sampled_from([1, 2, 4, 16])),
         max_num_batched_tokens=draw(st.sampled_from([8, 16, 64, 512])),
@@ -223,14 +268,14 @@ def test_zmq_event_stream_is_identical(model_dir: Path) -> None:
     import zmq
     from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
-    spec = SchedulerSpec(block_size=4, num_blocks=40, max_num_batched_tokens=32, kv_events=True)
+    spec = events_spec(40)
     script = shared_prefix_script(spec, 16, seed=21)
     script.requests.append(RequestSpec(script.requests[0].prompt, 3, 200))
     script.resets = [199]
     context = zmq.Context.instance()
-    received: dict[str, list[Any]] = {}
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
-    for impl in ("vllm", "kvblocks"):
+
+    def play_to_subscriber(scheduler: Scheduler, hasher: Hasher) -> list[Any]:
         subscriber = context.socket(zmq.SUB)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"")
         port = subscriber.bind_to_random_port("tcp://127.0.0.1")
@@ -238,12 +283,6 @@ def test_zmq_event_stream_is_identical(model_dir: Path) -> None:
         try:
             hello = subscriber.poll(100)  # let the connection settle before publishing
             assert hello == 0
-            if impl == "kvblocks":
-                kvblocks.vllm.install("all")
-            scheduler = make_scheduler(model_dir, spec)
-            expected = KVCacheManager if impl == "kvblocks" else VllmKVCacheManager
-            assert type(scheduler.kv_cache_manager) is expected
-            hasher = block_hasher(spec.hash_algo, spec.block_size)
             arrivals = [
                 (r.step, make_request(f"r{i}", r.prompt, hasher, max_tokens=r.max_tokens))
                 for i, r in enumerate(script.requests)
@@ -255,12 +294,13 @@ def test_zmq_event_stream_is_identical(model_dir: Path) -> None:
                 assert topic == b"kv"
                 batch = decoder.decode(payload)
                 batches.append([(type(e).__name__, msgspec.to_builtins(e)) for e in batch.events])
-            received[impl] = batches
+            return batches
         finally:
-            kvblocks.vllm.uninstall()
             publisher.shutdown()
             subscriber.close(linger=0)
-    assert len(received["vllm"]) > 10
-    flat = [event for batch in received["vllm"] for event in batch]
+
+    stock, ours = on_each_manager(model_dir, spec, play_to_subscriber)
+    assert len(stock) > 10
+    flat = [event for batch in stock for event in batch]
     assert {event[0] for event in flat} >= {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
-    assert received["kvblocks"] == received["vllm"]
+    assert ours == stock

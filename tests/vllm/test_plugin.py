@@ -14,16 +14,16 @@ from vllm.v1.core import kv_cache_utils
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.simulate import (
-    SchedulerSpec,
-    block_hasher,
-    make_request,
-    make_scheduler,
-    run,
+from kvblocks.vllm.simulate import VOCAB_SIZE, SchedulerSpec, block_hasher
+from tests.vllm.test_kv_cache_manager import (
+    HASHER_MODULES,
+    assert_same,
+    both,
+    shared_prefix_script,
 )
 
-OURS = "kvblocks.vllm.block_hasher"
-STOCK = "vllm.v1.core.kv_cache_utils"
+OURS = HASHER_MODULES["kvblocks"]
+STOCK = HASHER_MODULES["vllm"]
 
 
 def load_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,42 +148,23 @@ def test_fresh_process_with_engine_core(tmp_path: Path) -> None:
 # Whole scheduler runs: identical SchedulerOutputs with the plugin on and off.
 
 
-def shared_prefix_workload(hasher, n: int, seed: int) -> list[tuple[int, object]]:
-    import random
-
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(32000) for _ in range(rng.randrange(20, 90))] for _ in range(3)]
-    arrivals = []
-    for i in range(n):
-        prompt = rng.choice(prefixes) + [rng.randrange(32000) for _ in range(rng.randrange(1, 40))]
-        request = make_request(f"r{i}", prompt, hasher, max_tokens=rng.randrange(1, 30))
-        arrivals.append((rng.randrange(0, 20), request))
-    return arrivals
-
-
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash_cbor"])
 @pytest.mark.parametrize("num_blocks", [40, 400])
 def test_scheduler_run_identical_with_plugin(model_dir: Path, algo: str, num_blocks: int) -> None:
+    """``test_kv_cache_manager``'s comparison (which also checks that the plugin's hasher
+    and manager ran) on longer prompts and a larger token budget; nothing falls back."""
     spec = SchedulerSpec(
         block_size=8, num_blocks=num_blocks, hash_algo=algo, max_num_batched_tokens=256
     )
-    os.environ["PYTHONHASHSEED"] = "7"  # one NONE_HASH for both runs of the xxhash algorithm
-    try:
-        stock_run = run(
-            make_scheduler(model_dir, spec), shared_prefix_workload(block_hasher(algo, 8), 40, 1)
-        )
-        kvblocks.vllm.install()
-        _state.fallbacks.clear()
-        ours = block_hasher(algo, 8)
-        assert ours.__module__ == OURS
-        kv_run = run(make_scheduler(model_dir, spec), shared_prefix_workload(ours, 40, 1))
-    finally:
-        del os.environ["PYTHONHASHSEED"]
-    assert len(stock_run) > 20
-    assert kv_run == stock_run
+    script = shared_prefix_script(
+        spec, 40, 1, vocab=VOCAB_SIZE, prefix_lens=(20, 90), suffix_lens=(1, 40), arrival_steps=20
+    )
+    stock, ours = both(model_dir, script, seed="7")
+    assert len(stock) > 20
+    assert_same(stock, ours)
     assert dict(_state.fallbacks) == {}
     if num_blocks == 40:  # the small pool must have preempted someone
-        assert any(step[0][5] for step in stock_run[:-1])
+        assert any(step[0][5] for step in stock[:-1])
 
 
 def test_kvblocks_bench_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:

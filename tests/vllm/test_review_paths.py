@@ -11,7 +11,6 @@ request's block table, and any exception raised (an exception ends a run and is 
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -19,97 +18,17 @@ from typing import Any
 
 import pytest
 from vllm.lora.request import LoRARequest
-from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-import kvblocks.vllm
-from kvblocks.vllm import _state, simulate
-from kvblocks.vllm.kv_cache_manager import KVCacheManager
-from kvblocks.vllm.simulate import (
-    MAX_MODEL_LEN,
-    EventRecorder,
-    FakeModel,
-    SchedulerSpec,
-    _outputs,
-    block_hasher,
-    make_request,
-    sampled_token,
-    snapshot,
-)
-from tests.vllm.test_kv_cache_manager import assert_same
+from kvblocks.vllm import _state
+from kvblocks.vllm.block_hasher import ALGORITHMS
+from kvblocks.vllm.simulate import SchedulerSpec, make_request, run, sampled_token
+from tests.vllm.test_kv_cache_manager import assert_same, events_spec, on_each_manager
 
 Hasher = Callable[[Request], list[bytes]]
 #: An action run before a step's ``schedule()``: (scheduler, hasher) -> a comparable result.
 Action = Callable[[Scheduler, Hasher], Any]
-
-
-def make_scheduler(
-    model_dir: Path,
-    spec: SchedulerSpec,
-    *,
-    max_model_len: int = MAX_MODEL_LEN,
-    **scheduler_kwargs: Any,
-) -> Scheduler:
-    """``simulate.make_scheduler`` with ``max_model_len`` and more ``SchedulerConfig`` knobs."""
-    scheduler = {**spec.scheduler, **scheduler_kwargs}
-    spec = dataclasses.replace(spec, max_model_len=max_model_len, scheduler=scheduler)
-    return simulate.make_scheduler(model_dir, spec)
-
-
-def prefill_stats(engine_outputs: dict[int, Any]) -> list[Any]:
-    """Each output's ``PrefillStats`` (``estimate_cached_tokens`` feeds ``finalize``)."""
-    return [
-        (o.request_id, dataclasses.astuple(o.prefill_stats))
-        for eco in engine_outputs.values()
-        for o in eco.outputs
-        if o.prefill_stats is not None
-    ]
-
-
-def drive(
-    scheduler: Scheduler,
-    hasher: Hasher,
-    actions: dict[int, list[Action]],
-    *,
-    lag: int = 0,
-    max_steps: int = 3000,
-) -> list[Any]:
-    """Steps the scheduler to the end: a step's actions, then ``schedule()``; each model
-    output is handed back ``lag`` steps late (``lag`` 1 = async scheduling, more = a
-    pipeline-parallel batch queue). Records per step the actions' results, the snapshot,
-    the outputs and stats, the KV events and every live request's block ids; an exception
-    ends the run and is recorded."""
-    recorder = EventRecorder()
-    scheduler.kv_event_publisher = recorder
-    model = FakeModel()
-    in_flight: list[Any] = []
-    records: list[Any] = []
-    last_action = max(actions, default=0)
-    manager = scheduler.kv_cache_manager
-    for step in range(max_steps):
-        try:
-            results = tuple(action(scheduler, hasher) for action in actions.get(step, ()))
-            if step > last_action and not scheduler.has_requests() and not in_flight:
-                break
-            out = scheduler.schedule()
-            in_flight.append((out, model.execute(scheduler, out)))
-            outputs: list[Any] = []
-            while in_flight and (len(in_flight) > lag or not scheduler.has_requests()):
-                done, result = in_flight.pop(0)
-                engine_outputs = scheduler.update_from_output(done, result)
-                outputs.append((_outputs(engine_outputs), prefill_stats(engine_outputs)))
-            tables = sorted(
-                (rid, tuple(manager.get_blocks(rid).get_block_ids()[0]))
-                for rid in scheduler.requests
-            )
-            records.append((step, results, snapshot(out), outputs, recorder.take(), tables))
-        except Exception as error:  # recorded: both managers must raise alike
-            records.append((step, "raised", type(error).__name__))
-            break
-    else:
-        records.append((max_steps, "unfinished"))
-    return records
 
 
 def both(
@@ -118,27 +37,35 @@ def both(
     actions: Callable[[], dict[int, list[Action]]],
     *,
     lag: int | None = None,
-    **scheduler_kwargs: Any,
 ) -> tuple[list[Any], list[Any]]:
-    """(stock vLLM's records, kvblocks' records) for one workload."""
-    if lag is None:
-        lag = 1 if spec.async_scheduling else 0
-    runs = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONHASHSEED", "0")
-        for impl in ("vllm", "kvblocks"):
-            kvblocks.vllm.uninstall()
-            if impl == "kvblocks":
-                kvblocks.vllm.install("all")
-                _state.fallbacks.clear()
-            scheduler = make_scheduler(model_dir, spec, **scheduler_kwargs)
-            hasher = block_hasher(spec.hash_algo, spec.block_size)
-            expected = KVCacheManager if impl == "kvblocks" else VllmKVCacheManager
-            assert type(scheduler.kv_cache_manager) is expected
-            runs.append(drive(scheduler, hasher, actions(), lag=lag))
-            kvblocks.vllm.uninstall()
+    """(stock vLLM's records, kvblocks' records) for one workload: :func:`simulate.run`'s
+    records with every action's result, any exception recorded (it ends the run)."""
+
+    def play(scheduler: Scheduler, hasher: Hasher) -> list[Any]:
+        bound = {
+            step: [lambda s, act=act: act(s, hasher) for act in acts]
+            for step, acts in actions().items()
+        }
+        return run(scheduler, actions=bound, lag=lag, catch=True, max_steps=3000)
+
+    stock, ours = on_each_manager(model_dir, spec, play)
     assert not _state.fallbacks, "kvblocks' manager and hasher must both run"
-    return runs[0], runs[1]
+    return stock, ours
+
+
+def raised(records: list[Any]) -> str | None:
+    """The name of the exception that ended the run, if one did."""
+    return records[-1][1] if records[-1][:1] == ("raised",) else None
+
+
+def snapshots(records: list[Any]) -> list[Any]:
+    """The snapshot of every step that scheduled."""
+    return [record[0] for record in records[:-1] if record[0] is not None]
+
+
+def results(records: list[Any]) -> list[Any]:
+    """Every action's result."""
+    return [r for record in records[:-1] for r in record[5]]
 
 
 # Actions.
@@ -223,7 +150,7 @@ def session_workload(seed: int, block_size: int, lora: bool = False) -> dict[int
     requests that share its prefix; its block hashes are read after each turn."""
     rng = random.Random(seed)
     first = tokens(rng, 3 * block_size + 1)
-    actions = merge(shared_workload(seed, 8, spread=30))
+    actions = shared_workload(seed, 8, spread=30)
     keys: dict[str, Any] = {"cache_salt": "tenant"}
     if lora:
         keys["lora_request"] = LoRARequest("adapter-1", 1, "/lora/1")
@@ -259,26 +186,26 @@ def session_workload(seed: int, block_size: int, lora: bool = False) -> dict[int
 def test_streaming_sessions(
     model_dir: Path, async_scheduling: bool, block_size: int, caching: bool, algo: str, lora: bool
 ) -> None:
-    spec = SchedulerSpec(
+    spec = events_spec(
+        400 // block_size,
+        24,
         block_size=block_size,
-        num_blocks=400 // block_size,
         hash_algo=algo,
-        max_num_batched_tokens=24,
-        kv_events=True,
         async_scheduling=async_scheduling,
         enable_caching=caching,
     )
     stock, ours = both(model_dir, spec, lambda: session_workload(7, block_size, lora))
     assert_same(stock, ours)
-    assert all(record[1] != "raised" for record in stock)
-    finished = {rid for record in stock for rid in record[2][4]}
+    assert raised(stock) is None
+    finished = {rid for snap in snapshots(stock) for rid in snap[4]}
     assert "s" in finished
 
 
 def test_streaming_session_preempted_and_aborted(model_dir: Path) -> None:
     """A session preempted (with a chunk queued), resumed, continued with the queued chunk,
     then aborted while it waits for input."""
-    spec = SchedulerSpec(block_size=4, num_blocks=20, max_num_batched_tokens=16, kv_events=True)
+    # The priority policy preempts the session (lowest priority) first.
+    spec = events_spec(20, 16, scheduler={"policy": "priority"})
 
     def actions() -> dict[int, list[Action]]:
         rng = random.Random(3)
@@ -291,20 +218,16 @@ def test_streaming_session_preempted_and_aborted(model_dir: Path) -> None:
             acts.setdefault(step, []).append(hashes("s"))
         return acts
 
-    # The priority policy preempts the session (lowest priority) first.
-    stock, ours = both(model_dir, spec, actions, policy="priority")
+    stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
-    preempted = {rid for record in stock if record[1] != "raised" for rid in record[2][5]}
+    preempted = {rid for snap in snapshots(stock) for rid in snap[5]}
     assert "s" in preempted
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_reset_with_session_waiting_for_input(model_dir: Path, async_scheduling: bool) -> None:
     """A paused session holds blocks: the reset fails, and raises when running requests were
     to be preempted (vLLM's RuntimeError), with either manager."""
-    spec = SchedulerSpec(
-        block_size=4, num_blocks=40, kv_events=True, async_scheduling=async_scheduling
-    )
+    spec = events_spec(40, max_num_batched_tokens=2048, async_scheduling=async_scheduling)
 
     def actions() -> dict[int, list[Action]]:
         rng = random.Random(5)
@@ -316,7 +239,7 @@ def test_reset_with_session_waiting_for_input(model_dir: Path, async_scheduling:
 
     stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
-    assert stock[-1][1:] == ("raised", "RuntimeError")
+    assert raised(stock) == "RuntimeError"
 
 
 def reset_unless_paused_session() -> Action:
@@ -331,18 +254,10 @@ def reset_unless_paused_session() -> Action:
     return action
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_sessions_in_a_crowded_small_pool(model_dir: Path, async_scheduling: bool) -> None:
     """Sessions under ``max_num_seqs`` (a paused session holds a slot), FCFS preemption, and
     resets that preempt every running request, the session among them."""
-    spec = SchedulerSpec(
-        block_size=4,
-        num_blocks=34,
-        max_num_batched_tokens=16,
-        max_num_seqs=3,
-        kv_events=True,
-        async_scheduling=async_scheduling,
-    )
+    spec = events_spec(34, 16, max_num_seqs=3, async_scheduling=async_scheduling)
 
     def actions() -> dict[int, list[Action]]:
         acts = session_workload(43, 4)
@@ -352,24 +267,16 @@ def test_sessions_in_a_crowded_small_pool(model_dir: Path, async_scheduling: boo
 
     stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
-    results = [r for record in stock if record[1] != "raised" for r in record[1]]
-    assert any(r is True for r in results)
-    preempted = {rid for record in stock if record[1] != "raised" for rid in record[2][5]}
+    assert any(r is True for r in results(stock))
+    preempted = {rid for snap in snapshots(stock) for rid in snap[5]}
     assert "s" in preempted
 
 
 # reset_prefix_cache(reset_running_requests=True).
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_reset_prefix_cache_preempting_running(model_dir: Path, async_scheduling: bool) -> None:
-    spec = SchedulerSpec(
-        block_size=4,
-        num_blocks=60,
-        max_num_batched_tokens=32,
-        kv_events=True,
-        async_scheduling=async_scheduling,
-    )
+    spec = events_spec(60, async_scheduling=async_scheduling)
 
     def actions() -> dict[int, list[Action]]:
         acts = shared_workload(5, 16, spread=20)
@@ -380,22 +287,14 @@ def test_reset_prefix_cache_preempting_running(model_dir: Path, async_scheduling
 
     stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
-    results = [r for record in stock if record[1] != "raised" for r in record[1]]
-    assert True in results
+    assert True in results(stock)
 
 
 # Prompt logprobs (skip_reading_prefix_cache), max_tokens=1.
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_prompt_logprobs_and_single_token_requests(model_dir: Path, async_scheduling: bool) -> None:
-    spec = SchedulerSpec(
-        block_size=4,
-        num_blocks=80,
-        max_num_batched_tokens=40,
-        kv_events=True,
-        async_scheduling=async_scheduling,
-    )
+    spec = events_spec(80, 40, async_scheduling=async_scheduling)
 
     def actions() -> dict[int, list[Action]]:
         rng = random.Random(11)
@@ -423,9 +322,7 @@ def test_prompt_logprobs_and_single_token_requests(model_dir: Path, async_schedu
 
 
 def test_finish_requests_waiting_unknown_and_all(model_dir: Path) -> None:
-    spec = SchedulerSpec(
-        block_size=4, num_blocks=30, max_num_batched_tokens=16, max_num_seqs=3, kv_events=True
-    )
+    spec = events_spec(30, 16, max_num_seqs=3)
 
     def actions() -> dict[int, list[Action]]:
         acts = shared_workload(13, 14, spread=6, max_tokens=(5, 30))
@@ -444,21 +341,13 @@ def test_finish_requests_waiting_unknown_and_all(model_dir: Path) -> None:
 # Priority policy.
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_priority_policy_preemption(model_dir: Path, async_scheduling: bool) -> None:
-    spec = SchedulerSpec(
-        block_size=4,
-        num_blocks=24,
-        max_num_batched_tokens=24,
-        kv_events=True,
-        async_scheduling=async_scheduling,
-    )
-    rng = random.Random(17)
-    prefixes = [tokens(rng, rng.randrange(4, 30)) for _ in range(3)]
+    spec = events_spec(24, 24, async_scheduling=async_scheduling, scheduler={"policy": "priority"})
 
     def actions() -> dict[int, list[Action]]:
-        acts: dict[int, list[Action]] = {}
         r = random.Random(17)
+        prefixes = [tokens(r, r.randrange(4, 30)) for _ in range(3)]
+        acts: dict[int, list[Action]] = {}
         for i in range(20):
             prompt = r.choice(prefixes) + tokens(r, r.randrange(0, 20))
             acts.setdefault(r.randrange(0, 30), []).append(
@@ -466,9 +355,9 @@ def test_priority_policy_preemption(model_dir: Path, async_scheduling: bool) -> 
             )
         return acts
 
-    stock, ours = both(model_dir, spec, actions, policy="priority")
+    stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
-    assert any(record[2][5] for record in stock if record[1] != "raised"), "must preempt"
+    assert any(snap[5] for snap in snapshots(stock)), "must preempt"
 
 
 # Outputs several steps late (pipeline-parallel batch queue with the sync scheduler).
@@ -476,7 +365,7 @@ def test_priority_policy_preemption(model_dir: Path, async_scheduling: bool) -> 
 
 @pytest.mark.parametrize("lag", [2, 3])
 def test_batch_queue_outputs_late(model_dir: Path, lag: int) -> None:
-    spec = SchedulerSpec(block_size=4, num_blocks=30, max_num_batched_tokens=20, kv_events=True)
+    spec = events_spec(30, 20)
 
     def actions() -> dict[int, list[Action]]:
         acts = shared_workload(19 + lag, 16, spread=25)
@@ -493,15 +382,8 @@ def test_batch_queue_outputs_late(model_dir: Path, lag: int) -> None:
 
 @pytest.mark.parametrize("threshold", [5, 12])
 def test_max_num_seqs_and_long_prefill_threshold(model_dir: Path, threshold: int) -> None:
-    spec = SchedulerSpec(
-        block_size=4, num_blocks=50, max_num_batched_tokens=32, max_num_seqs=3, kv_events=True
-    )
-
-    def actions() -> dict[int, list[Action]]:
-        acts = shared_workload(23, 25, spread=3)
-        return acts
-
-    stock, ours = both(model_dir, spec, actions, long_prefill_token_threshold=threshold)
+    spec = events_spec(50, max_num_seqs=3, scheduler={"long_prefill_token_threshold": threshold})
+    stock, ours = both(model_dir, spec, lambda: shared_workload(23, 25, spread=3))
     assert_same(stock, ours)
 
 
@@ -517,19 +399,18 @@ FULL: tuple[dict[str, Any], ...] = ({}, {"extra_args": {"kv_cache_report_mode": 
 def test_tiny_pool_admission_failures(
     model_dir: Path, num_blocks: int, watermark: float, full_isl: bool
 ) -> None:
-    spec = SchedulerSpec(
-        block_size=4,
-        num_blocks=num_blocks,
-        max_num_batched_tokens=12,
-        kv_events=True,
+    spec = events_spec(
+        num_blocks,
+        12,
         watermark=watermark,
+        max_model_len=64,
+        scheduler={"scheduler_reserve_full_isl": full_isl},
     )
-    rng = random.Random(num_blocks)
-    prefix = tokens(rng, 9)
 
     def actions() -> dict[int, list[Action]]:
-        acts: dict[int, list[Action]] = {}
         r = random.Random(num_blocks)
+        prefix = tokens(r, 9)
+        acts: dict[int, list[Action]] = {}
         for i in range(24):
             # Every request fits in the pool alone (or vLLM would wait forever too).
             extra = r.randrange(0, max(1, 4 * (num_blocks - 3) - 9 - 12))
@@ -539,9 +420,7 @@ def test_tiny_pool_admission_failures(
             )
         return acts
 
-    stock, ours = both(
-        model_dir, spec, actions, scheduler_reserve_full_isl=full_isl, max_model_len=64
-    )
+    stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
 
 
@@ -550,9 +429,7 @@ def test_tiny_pool_admission_failures(
 
 @pytest.mark.parametrize("kv_events", [False, True])
 def test_small_max_model_len(model_dir: Path, kv_events: bool) -> None:
-    spec = SchedulerSpec(
-        block_size=4, num_blocks=40, max_num_batched_tokens=64, kv_events=kv_events
-    )
+    spec = events_spec(40, 64, kv_events=kv_events, max_model_len=32)
 
     def actions() -> dict[int, list[Action]]:
         rng = random.Random(29)
@@ -563,7 +440,7 @@ def test_small_max_model_len(model_dir: Path, kv_events: bool) -> None:
             2: [add("c", prefix[:16], 40)],
         }
 
-    stock, ours = both(model_dir, spec, actions, max_model_len=32)
+    stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
 
 
@@ -577,20 +454,17 @@ def test_prompt_longer_than_max_model_len(model_dir: Path, kv_events: bool) -> N
     indexes ``blocks[8]`` while building the ``BlockStored`` event and raises IndexError out of
     ``schedule()``. kvblocks registers the blocks the request has, emits their event and goes
     on; up to vLLM's crash, both runs are identical."""
-    spec = SchedulerSpec(
-        block_size=4, num_blocks=40, max_num_batched_tokens=64, kv_events=kv_events
-    )
+    spec = events_spec(40, 64, kv_events=kv_events, max_model_len=32)
 
     def actions() -> dict[int, list[Action]]:
         rng = random.Random(31)
         return {0: [add("long", tokens(rng, 42), 3)], 3: [add("next", tokens(rng, 9), 2)]}
 
-    stock, ours = both(model_dir, spec, actions, max_model_len=32)
+    stock, ours = both(model_dir, spec, actions)
     assert_same_until_vllm_crashes(stock, ours, kv_events)
 
 
 @pytest.mark.parametrize("kv_events", [False, True])
-@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_streaming_session_beyond_max_model_len(
     model_dir: Path, kv_events: bool, async_scheduling: bool
 ) -> None:
@@ -601,12 +475,8 @@ def test_streaming_session_beyond_max_model_len(
     session (37 tokens, 22 computed, 15 scheduled, 9 block hashes, 8 blocks under
     ``max_model_len`` 32) makes vLLM's ``cache_full_blocks`` raise IndexError (``blocks[8]``)
     out of ``schedule()``; kvblocks schedules it and emits a ``BlockStored`` for blocks 5-7."""
-    spec = SchedulerSpec(
-        block_size=4,
-        num_blocks=40,
-        max_num_batched_tokens=64,
-        kv_events=kv_events,
-        async_scheduling=async_scheduling,
+    spec = events_spec(
+        40, 64, kv_events=kv_events, async_scheduling=async_scheduling, max_model_len=32
     )
 
     def actions() -> dict[int, list[Action]]:
@@ -618,7 +488,7 @@ def test_streaming_session_beyond_max_model_len(
             20: [add("t", tokens(rng, 9), 2)],
         }
 
-    stock, ours = both(model_dir, spec, actions, max_model_len=32)
+    stock, ours = both(model_dir, spec, actions)
     assert_same_until_vllm_crashes(stock, ours, kv_events)
 
 
@@ -628,24 +498,17 @@ def assert_same_until_vllm_crashes(stock: list[Any], ours: list[Any], kv_events:
     if not kv_events:
         assert_same(stock, ours)
         return
-    assert stock[-1][1:] == ("raised", "IndexError")
-    assert all(record[1] != "raised" for record in ours)
+    assert raised(stock) == "IndexError"
+    assert raised(ours) is None
     crash = len(stock) - 1
     assert_same(stock[:crash], ours[:crash])
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_stop_tokens_with_steps_in_flight(model_dir: Path, async_scheduling: bool) -> None:
     """Requests and a session that stop on a stop token before ``max_tokens``: under async
     scheduling their next step is already in flight (stale output; a session resumes with
     ``drop_stale_output`` and caches from ``num_computed_tokens - num_in_flight_tokens``)."""
-    spec = SchedulerSpec(
-        block_size=2,
-        num_blocks=60,
-        max_num_batched_tokens=16,
-        kv_events=True,
-        async_scheduling=async_scheduling,
-    )
+    spec = events_spec(60, 16, block_size=2, async_scheduling=async_scheduling)
 
     def stops(rid: str, *indices: int) -> dict[str, Any]:
         return {"stop_token_ids": [sampled_token(rid, i) for i in indices]}
@@ -660,12 +523,11 @@ def test_stop_tokens_with_steps_in_flight(model_dir: Path, async_scheduling: boo
                 add(rid, prefix + tokens(rng, i), 30, sampling=stops(rid, 1 + i % 4))
             )
         session = stops("s", 2, 5, 9, 14, 20)
-        acts.setdefault(0, []).append(add("s", prefix + tokens(rng, 5), 30, sampling=session))
+        acts[0].append(add("s", prefix + tokens(rng, 5), 30, resumable=True, sampling=session))
         for step, n in ((1, 3), (2, 4), (30, 2), (31, 6)):
             acts.setdefault(step, []).append(
                 add("s", tokens(rng, n), 30, resumable=True, sampling=session)
             )
-        acts[0][-1] = add("s", prefix + tokens(rng, 5), 30, resumable=True, sampling=session)
         acts.setdefault(60, []).append(add("s", tokens(rng, 3), 4))
         for step in range(0, 70, 2):
             acts.setdefault(step, []).append(hashes("s"))
@@ -673,7 +535,7 @@ def test_stop_tokens_with_steps_in_flight(model_dir: Path, async_scheduling: boo
 
     stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
-    reasons = {o[2] for record in stock for batch in record[3] for o in batch[0][0]}
+    reasons = {o[2] for record in stock[:-1] for o in record[1]}
     assert "stop" in reasons
 
 
@@ -684,20 +546,13 @@ def test_engine_core_reads_of_the_manager(model_dir: Path) -> None:
 
     from vllm.v1.engine.core import EngineCore
 
-    spec = SchedulerSpec(block_size=8, num_blocks=20)
-    seen = []
-    for impl in ("vllm", "kvblocks"):
-        kvblocks.vllm.uninstall()
-        if impl == "kvblocks":
-            kvblocks.vllm.install("all")
-        scheduler = make_scheduler(model_dir, spec)
-        expected = KVCacheManager if impl == "kvblocks" else VllmKVCacheManager
-        assert type(scheduler.kv_cache_manager) is expected
+    def read(scheduler: Scheduler, hasher: Hasher) -> tuple[Any, ...]:
         core: Any = SimpleNamespace(scheduler=scheduler, vllm_config=scheduler.vllm_config)
         EngineCore._initialize_effective_attention_block_size(core)
         block_size = scheduler.vllm_config.cache_config.effective_attention_block_size
-        seen.append((block_size, EngineCore.get_kv_cache_group_metadata(core)))
-        kvblocks.vllm.uninstall()
+        return block_size, EngineCore.get_kv_cache_group_metadata(core)
+
+    seen = on_each_manager(model_dir, SchedulerSpec(block_size=8, num_blocks=20), read)
     assert seen[0] == seen[1]
     assert seen[0][0] == 8
 
@@ -705,7 +560,7 @@ def test_engine_core_reads_of_the_manager(model_dir: Path) -> None:
 # Random mixes of all of the above.
 
 
-def random_case(seed: int) -> tuple[SchedulerSpec, dict[str, Any], int, Callable[[], Any]]:
+def random_case(seed: int) -> tuple[SchedulerSpec, int, Callable[[], Any]]:
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     async_scheduling = rng.random() < 0.4
@@ -721,19 +576,19 @@ def random_case(seed: int) -> tuple[SchedulerSpec, dict[str, Any], int, Callable
         # admissions); even seeds: room for the sessions too.
         num_blocks=need
         + (rng.randrange(1, 4) if seed % 2 else num_sessions * need // 2 + rng.randrange(1, need)),
-        hash_algo=rng.choice(["sha256", "xxhash", "sha256_cbor", "xxhash_cbor"]),
+        hash_algo=rng.choice(ALGORITHMS),
         enable_caching=rng.random() < 0.85,
         max_num_seqs=rng.choice([2, 4, 16]),
         max_num_batched_tokens=rng.choice([8, 16, 48]),
         async_scheduling=async_scheduling,
         watermark=rng.choice([0.0, 0.0, 0.1]),
         kv_events=rng.random() < 0.6,
+        scheduler={
+            "policy": rng.choice(["fcfs", "priority"]),
+            "scheduler_reserve_full_isl": rng.random() < 0.7,
+            "long_prefill_token_threshold": rng.choice([0, 0, 6]),
+        },
     )
-    scheduler_kwargs: dict[str, Any] = {
-        "policy": rng.choice(["fcfs", "priority"]),
-        "scheduler_reserve_full_isl": rng.random() < 0.7,
-        "long_prefill_token_threshold": rng.choice([0, 0, 6]),
-    }
 
     def actions() -> dict[int, list[Action]]:
         r = random.Random(seed * 7919 + 1)
@@ -775,11 +630,11 @@ def random_case(seed: int) -> tuple[SchedulerSpec, dict[str, Any], int, Callable
             )
         return acts
 
-    return spec, scheduler_kwargs, lag, actions
+    return spec, lag, actions
 
 
 @pytest.mark.parametrize("seed", range(60))
 def test_random_mixes(model_dir: Path, seed: int) -> None:
-    spec, scheduler_kwargs, lag, actions = random_case(seed)
-    stock, ours = both(model_dir, spec, actions, lag=lag, **scheduler_kwargs)
+    spec, lag, actions = random_case(seed)
+    stock, ours = both(model_dir, spec, actions, lag=lag)
     assert_same(stock, ours)

@@ -11,13 +11,15 @@ the plugin is installed). Importing this module imports vLLM.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import json
 import os
-import random
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from kvblocks.workloads import shared_prefix_prompts
 
 VOCAB_SIZE = 32000
 MAX_MODEL_LEN = 8192
@@ -60,31 +64,22 @@ def write_model_dir(path: Path) -> Path:
     return path
 
 
+@functools.cache
 def tiny_model_dir() -> Path:
     """A process-wide temporary directory holding the tiny model's config."""
-    if "tiny" not in _model_dirs:
-        _model_dirs["tiny"] = write_model_dir(Path(tempfile.mkdtemp(prefix="kvblocks-tiny-")))
-    return _model_dirs["tiny"]
+    return write_model_dir(Path(tempfile.mkdtemp(prefix="kvblocks-tiny-")))
 
 
-_model_dirs: dict[str, Path] = {}
-
-
-_model_configs: dict[str, ModelConfig] = {}
-
-
+@functools.cache
 def model_config(model_dir: Path) -> ModelConfig:
     """One ``ModelConfig`` per directory (building one inspects the architecture: slow)."""
-    key = str(model_dir)
-    if key not in _model_configs:
-        _model_configs[key] = ModelConfig(
-            model=key,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            seed=0,
-            max_model_len=MAX_MODEL_LEN,
-        )
-    return _model_configs[key]
+    return ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+    )
 
 
 @dataclass
@@ -143,6 +138,7 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
 
 
 def make_kv_cache_config(spec: SchedulerSpec) -> KVCacheConfig:
+    """One full-attention group of ``spec.num_blocks`` blocks."""
     attention = FullAttentionSpec(
         block_size=spec.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
@@ -153,20 +149,60 @@ def make_kv_cache_config(spec: SchedulerSpec) -> KVCacheConfig:
     )
 
 
-def make_scheduler(model_dir: Path, spec: SchedulerSpec) -> Scheduler:
+def make_scheduler(
+    model_dir: Path,
+    spec: SchedulerSpec,
+    *,
+    scheduler_cls: type[Scheduler] | None = None,
+    kv_cache_config: KVCacheConfig | None = None,
+) -> Scheduler:
+    """vLLM's scheduler (``AsyncScheduler`` under async scheduling, or ``scheduler_cls``) for
+    ``spec``, on :func:`make_kv_cache_config`'s layout or ``kv_cache_config``."""
     vllm_config = make_vllm_config(model_dir, spec)
-    scheduler_cls: type[Scheduler] = Scheduler
-    if spec.async_scheduling:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    if scheduler_cls is None:
+        scheduler_cls = Scheduler
+        if spec.async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-        scheduler_cls = AsyncScheduler
+            scheduler_cls = AsyncScheduler
     return scheduler_cls(
         vllm_config=vllm_config,
-        kv_cache_config=make_kv_cache_config(spec),
+        kv_cache_config=kv_cache_config or make_kv_cache_config(spec),
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=spec.block_size,
     )
+
+
+#: The two sides of every comparison: stock vLLM, and vLLM with kvblocks installed.
+IMPLS = ("vllm", "kvblocks")
+
+
+@contextmanager
+def implementation(impl: str) -> Iterator[type]:
+    """Stock vLLM (``"vllm"``) or kvblocks installed in mode ``"all"`` (``"kvblocks"``, with
+    the fallback counts cleared) for the block, then vLLM's own code again. Yields the class
+    of KV-cache manager a scheduler built inside must have."""
+    import kvblocks.vllm
+    from kvblocks.vllm import _state
+
+    if impl not in IMPLS:
+        raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    kvblocks.vllm.uninstall()
+    if impl == "kvblocks":
+        from kvblocks.vllm.kv_cache_manager import KVCacheManager
+
+        kvblocks.vllm.install("all")
+        _state.fallbacks.clear()
+        manager: type = KVCacheManager
+    else:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+
+        manager = VllmKVCacheManager
+    try:
+        yield manager
+    finally:
+        kvblocks.vllm.uninstall()
 
 
 def block_hasher(hash_algo: str, block_size: int) -> Callable[[Request], list[bytes]]:
@@ -274,11 +310,18 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
 
 
 def _outputs(engine_outputs: dict[int, Any]) -> tuple[Any, ...]:
-    """The request outputs and the prefix-cache statistics of one ``update_from_output``."""
+    """The request outputs (with their prefill statistics, which ``estimate_cached_tokens``
+    feeds) and the prefix-cache statistics of one ``update_from_output``."""
     outputs, stats = [], None
     for eco in engine_outputs.values():
         outputs += [
-            (o.request_id, list(o.new_token_ids), str(o.finish_reason)) for o in eco.outputs
+            (
+                o.request_id,
+                list(o.new_token_ids),
+                str(o.finish_reason),
+                None if o.prefill_stats is None else dataclasses.astuple(o.prefill_stats),
+            )
+            for o in eco.outputs
         ]
         if eco.scheduler_stats is not None:
             s = eco.scheduler_stats
@@ -291,58 +334,87 @@ def _outputs(engine_outputs: dict[int, Any]) -> tuple[Any, ...]:
     return tuple(outputs), stats
 
 
+#: Something a script does before a step's ``schedule()``; what it returns is recorded.
+Action = Callable[[Scheduler], Any]
+
+
 def run(
     scheduler: Scheduler,
-    arrivals: Iterable[tuple[int, Request]],
+    arrivals: Iterable[tuple[int, Request]] = (),
     *,
     aborts: Iterable[tuple[int, str]] = (),
     resets: Iterable[int] = (),
+    actions: Mapping[int, Iterable[Action]] | None = None,
+    lag: int | None = None,
+    catch: bool = False,
     max_steps: int = 10_000,
     publisher: Any = None,
 ) -> list[tuple[Any, ...]]:
-    """Drives ``scheduler`` to the end of a script: requests arrive at their step, aborts
-    and ``reset_prefix_cache()`` calls happen at theirs. Returns, per step, the step's
-    :func:`snapshot`, the request outputs, the prefix-cache statistics, the KV events
-    published and the reset result; then the requests' final block hashes. An
-    ``AsyncScheduler`` gets each step's model output one step late, as under async
-    scheduling. With ``publisher`` (e.g. vLLM's ZMQ publisher), KV events go there
-    instead of into the records."""
+    """Drives ``scheduler`` to the end of a script: before a step's ``schedule()``, the
+    requests arriving at that step are added, its aborts and its ``reset_prefix_cache()`` call
+    happen, then its ``actions`` run. The run ends once no request is left, no output is in
+    flight, and no arrival or action is still to come.
+
+    Returns, per step: the step's :func:`snapshot` (None where it scheduled nothing), the
+    request outputs, the prefix-cache statistics, the KV events published, the reset's
+    result, the results of the step's actions, and every live request's block ids; then the
+    arrivals' final block hashes. Each model output is handed back ``lag`` steps late (by
+    default 1 for an ``AsyncScheduler``, as under async scheduling, else 0; more is a
+    pipeline-parallel batch queue), one output a step, as ``EngineCore`` does; a step
+    schedules only when there are requests or nothing is in flight. With ``catch``, an
+    exception ends the run and is its last record, ``("raised", type name)``. With
+    ``publisher`` (e.g. vLLM's ZMQ publisher), KV events go there instead of into the
+    records."""
     from vllm.v1.request import RequestStatus
 
     pending = sorted(arrivals, key=lambda a: a[0])
     abort_at = sorted(aborts)
     reset_steps = set(resets)
+    actions = actions or {}
+    last = max([*actions, *(step for step, _ in pending)], default=-1)
     recorder = EventRecorder()
     scheduler.kv_event_publisher = recorder if publisher is None else publisher
     model = FakeModel()
-    # An AsyncScheduler gets each step's output one step late (vLLM may turn the config flag
-    # off on the CPU, so the class decides).
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    if lag is None:
+        # vLLM may turn the config flag off on the CPU, so the class decides.
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    lag = 1 if isinstance(scheduler, AsyncScheduler) else 0
+        lag = 1 if isinstance(scheduler, AsyncScheduler) else 0
+    manager = scheduler.kv_cache_manager
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     steps: list[tuple[Any, ...]] = []
     requests: list[Request] = []
     for step in range(max_steps):
-        while pending and pending[0][0] <= step:
-            request = pending.pop(0)[1]
-            requests.append(request)
-            scheduler.add_request(request)
-        while abort_at and abort_at[0][0] <= step:
-            scheduler.finish_requests(abort_at.pop(0)[1], RequestStatus.FINISHED_ABORTED)
-        reset = scheduler.reset_prefix_cache() if step in reset_steps else None
-        if not pending and not scheduler.has_requests() and not in_flight:
-            break
-        snap: tuple[Any, ...] | None = None
-        if scheduler.has_requests() or not in_flight:
-            out = scheduler.schedule()
-            in_flight.append((out, model.execute(scheduler, out)))
-            snap = snapshot(out)
-        outputs: tuple[Any, ...] = ((), None)
-        if len(in_flight) > lag or not scheduler.has_requests():
-            done, result = in_flight.pop(0)
-            outputs = _outputs(scheduler.update_from_output(done, result))
-        steps.append((snap, *outputs, recorder.take(), reset))
+        try:
+            while pending and pending[0][0] <= step:
+                request = pending.pop(0)[1]
+                requests.append(request)
+                scheduler.add_request(request)
+            while abort_at and abort_at[0][0] <= step:
+                scheduler.finish_requests(abort_at.pop(0)[1], RequestStatus.FINISHED_ABORTED)
+            reset = scheduler.reset_prefix_cache() if step in reset_steps else None
+            results = tuple(action(scheduler) for action in actions.get(step, ()))
+            if step > last and not scheduler.has_requests() and not in_flight:
+                break
+            snap: tuple[Any, ...] | None = None
+            if scheduler.has_requests() or not in_flight:
+                out = scheduler.schedule()
+                in_flight.append((out, model.execute(scheduler, out)))
+                snap = snapshot(out)
+            outputs: tuple[Any, ...] = ((), None)
+            if len(in_flight) > lag or not scheduler.has_requests():
+                done, result = in_flight.pop(0)
+                outputs = _outputs(scheduler.update_from_output(done, result))
+            tables = sorted(
+                (rid, tuple(manager.get_blocks(rid).get_block_ids()[0]))
+                for rid in scheduler.requests
+            )
+        except Exception as error:
+            if not catch:
+                raise
+            steps.append(("raised", type(error).__name__))  # both managers must raise alike
+            return steps
+        steps.append((snap, *outputs, recorder.take(), reset, results, tables))
     else:
         raise AssertionError(f"the workload did not finish in {max_steps} steps")
     steps.append(tuple((r.request_id, list(r.block_hashes)) for r in requests))
@@ -379,16 +451,10 @@ class Workload:
     prompt_len: int = 2000
     shared_len: int = 1500
     output_len: int = 32
-    seed: int = 0
 
     def prompts(self) -> list[list[int]]:
-        rng = random.Random(self.seed)
-        shared = [rng.randrange(VOCAB_SIZE) for _ in range(self.shared_len)]
         own = self.prompt_len - self.shared_len
-        return [
-            shared + [rng.randrange(VOCAB_SIZE) for _ in range(own)]
-            for _ in range(self.num_requests)
-        ]
+        return shared_prefix_prompts(self.num_requests, self.shared_len, own, vocab_size=VOCAB_SIZE)
 
 
 @dataclass
@@ -430,28 +496,24 @@ def _timed(
     return wrapper
 
 
-_overhead: list[float] = []
-
-
+@functools.cache
 def _timer_overhead() -> float:
     """The seconds a timed call of a no-op records, measured once: the clock call and the
     argument forwarding that the wrapper adds to every timed call, with the call shape of
     the scheduler's most frequent call (``allocate_slots(request, n, num_lookahead_tokens=0)``)."""
-    if not _overhead:
 
-        def noop(*args: Any, **kwargs: Any) -> None:
-            return None
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
 
-        rounds = []
-        for _ in range(5):
-            slot = [0.0, 0.0]
-            timed = _timed(noop, slot, overhead=0.0)
-            target = object()
-            for _ in range(20_000):
-                timed(target, 1, num_lookahead_tokens=0)
-            rounds.append(slot[1] / slot[0])
-        _overhead.append(min(rounds))
-    return _overhead[0]
+    rounds = []
+    for _ in range(5):
+        slot = [0.0, 0.0]
+        timed = _timed(noop, slot, overhead=0.0)
+        target = object()
+        for _ in range(20_000):
+            timed(target, 1, num_lookahead_tokens=0)
+        rounds.append(slot[1] / slot[0])
+    return min(rounds)
 
 
 def timed_run(
