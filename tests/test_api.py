@@ -14,7 +14,7 @@ import pytest
 
 import kvblocks
 import kvblocks.reference as ref
-from tests.conftest import oracle_none_hash
+from tests.oracle import oracle_none_hash
 
 
 def test_module_surface() -> None:

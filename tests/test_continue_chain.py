@@ -9,7 +9,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests.conftest import VLLM_ALGOS, oracle_block, oracle_none_hash
+from tests.oracle import VLLM_ALGOS, oracle_block, oracle_none_hash
 
 KEYS = {
     "cache_salt": "tenant",

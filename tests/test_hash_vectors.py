@@ -16,7 +16,7 @@ import xxhash
 
 import kvblocks
 import kvblocks.reference
-from tests.conftest import VLLM_ALGOS, oracle_block, oracle_none_hash
+from tests.oracle import VLLM_ALGOS, oracle_block, oracle_none_hash
 
 DATA = Path(__file__).parent / "data" / "vllm-0.33-hash-vectors.json"
 ALL_ALGOS = (*VLLM_ALGOS, "xxh3_128")

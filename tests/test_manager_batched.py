@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvblocks
-from tests.test_manager_vllm import admit
+from tests.manager_calls import admit
 
 B = 4
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_manager_vllm import admit
+from tests.manager_calls import admit
 
 
 def test_fork_shares_blocks_and_copies_on_write(impl: ModuleType) -> None:

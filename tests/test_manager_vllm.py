@@ -4,11 +4,11 @@ against the Rust manager and its pure-Python twin."""
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
 
 import pytest
 
 from kvblocks.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.manager_calls import admit, free_queue
 
 B = 16
 COMMON = list(range(1000, 1048))  # 48 tokens = 3 full blocks
@@ -17,20 +17,6 @@ COMMON = list(range(1000, 1048))  # 48 tokens = 3 full blocks
 def ext(h: bytes) -> int:
     """vLLM's external event hash: the last 8 bytes, big-endian."""
     return int.from_bytes(h[-8:], "big")
-
-
-def admit(m: Any, rid: str, tokens: list[int], **kwargs: Any) -> list[int] | None:
-    """The scheduler's admission of a new request: lookup, then one allocation."""
-    m.add_request(rid, tokens, **kwargs)
-    hits, num_hit = m.get_computed_blocks(rid)
-    return m.allocate_slots(
-        rid, len(tokens) - num_hit, num_new_computed_tokens=num_hit, new_computed_blocks=hits
-    )
-
-
-def free_queue(m: Any) -> list[int]:
-    state: dict[str, Any] = m.debug_state()
-    return list(state["free_block_ids"])
 
 
 def test_worked_trace(impl: ModuleType) -> None:

@@ -24,7 +24,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvblocks.vllm import _state
 from kvblocks.vllm.block_hasher import ALGORITHMS
 from kvblocks.vllm.simulate import SchedulerSpec, make_request, run, sampled_token
-from tests.vllm.test_kv_cache_manager import assert_same, events_spec, on_each_manager
+from tests.vllm_tier.harness import assert_same, events_spec, on_each_manager
 
 Hasher = Callable[[Request], list[bytes]]
 #: An action run before a step's ``schedule()``: (scheduler, hasher) -> a comparable result.

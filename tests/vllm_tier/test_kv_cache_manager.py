@@ -1,154 +1,28 @@
 """vLLM's scheduler on vLLM's own KV-cache manager against the same scheduler on kvblocks'
-manager: the same scripts, compared step by step.
-
-Each step's record holds the ``SchedulerOutput`` (scheduled tokens per request, new and
-cached requests' block ids, computed tokens, resumed, finished and preempted ids), the
-request outputs, the prefix-cache statistics and KV-cache usage, every KV-event batch, and
-the result of any ``reset_prefix_cache``; the run ends with every request's block hashes."""
+manager: the same scripts, compared step by step (the harness: ``harness.py``)."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
 
-from kvblocks.vllm import _state
 from kvblocks.vllm.block_hasher import ALGORITHMS
-from kvblocks.vllm.simulate import (
-    IMPLS,
-    SchedulerSpec,
-    block_hasher,
-    implementation,
-    make_request,
-    make_scheduler,
-    run,
+from kvblocks.vllm.simulate import SchedulerSpec, make_request, run
+from tests.vllm_tier.harness import (
+    Hasher,
+    RequestSpec,
+    Script,
+    assert_same,
+    both,
+    events_spec,
+    on_each_manager,
+    shared_prefix_script,
 )
-
-Hasher = Callable[[Request], list[bytes]]
-T = TypeVar("T")
-#: The module of the request block hasher ``kv_cache_utils`` builds, by implementation.
-HASHER_MODULES = {"vllm": "vllm.v1.core.kv_cache_utils", "kvblocks": "kvblocks.vllm.block_hasher"}
-
-
-@dataclass
-class RequestSpec:
-    prompt: list[int]
-    max_tokens: int
-    step: int
-    salt: str | None = None
-    lora: int | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Script:
-    spec: SchedulerSpec
-    requests: list[RequestSpec]
-    aborts: list[tuple[int, int]] = field(default_factory=list)
-    resets: list[int] = field(default_factory=list)
-
-
-def on_each_manager(
-    model_dir: Path,
-    spec: SchedulerSpec,
-    play: Callable[[Scheduler, Hasher], T],
-    *,
-    seed: str = "0",
-) -> list[T]:
-    """``play`` on a fresh scheduler and request block hasher for ``spec``, with stock vLLM,
-    then with kvblocks; asserts each run had the KV-cache manager and the hasher it should."""
-    results = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONHASHSEED", seed)  # one NONE_HASH for both runs (xxhash)
-        for impl in IMPLS:
-            with implementation(impl) as manager:
-                scheduler = make_scheduler(model_dir, spec)
-                assert type(scheduler.kv_cache_manager) is manager
-                hasher = block_hasher(spec.hash_algo, spec.block_size)
-                assert hasher.__module__ == HASHER_MODULES[impl]
-                results.append(play(scheduler, hasher))
-    return results
-
-
-def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
-    """One run of the script (no request hashing where prefix caching is off, as in
-    ``EngineCore``)."""
-    arrivals = []
-    for i, r in enumerate(script.requests):
-        kwargs: dict[str, Any] = {"cache_salt": r.salt}
-        if r.lora is not None:
-            kwargs["lora_request"] = LoRARequest(f"adapter-{r.lora}", r.lora, f"/lora/{r.lora}")
-        request = make_request(
-            f"r{i}",
-            r.prompt,
-            hasher if script.spec.enable_caching else None,
-            max_tokens=r.max_tokens,
-            sampling=r.sampling,
-            **kwargs,
-        )
-        arrivals.append((r.step, request))
-    aborts = [(step, f"r{i}") for step, i in script.aborts]
-    return run(scheduler, arrivals, aborts=aborts, resets=script.resets, max_steps=5_000)
-
-
-def both(model_dir: Path, script: Script, *, seed: str = "0") -> tuple[list[Any], list[Any]]:
-    """(stock vLLM's records, kvblocks' records); asserts kvblocks' manager really ran."""
-    stock, ours = on_each_manager(
-        model_dir, script.spec, lambda scheduler, hasher: play(script, scheduler, hasher), seed=seed
-    )
-    assert not any(part == "kv_cache_manager" for part, _ in _state.fallbacks)
-    return stock, ours
-
-
-def assert_same(stock: list[Any], ours: list[Any]) -> None:
-    assert len(ours) == len(stock)
-    for step, (a, b) in enumerate(zip(stock, ours, strict=True)):
-        assert b == a, f"step {step} differs"
-
-
-def events_spec(num_blocks: int, max_num_batched_tokens: int = 32, **kw: Any) -> SchedulerSpec:
-    """Block size 4 and KV events on, unless ``kw`` says otherwise."""
-    kw = {"block_size": 4, "kv_events": True, **kw}
-    return SchedulerSpec(num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, **kw)
-
-
-def shared_prefix_script(
-    spec: SchedulerSpec,
-    n: int,
-    seed: int,
-    *,
-    vocab: int = 1000,
-    prefix_lens: tuple[int, int] = (1, 70),
-    suffix_lens: tuple[int, int] = (0, 40),
-    arrival_steps: int = 25,
-    **request_kwargs: Any,
-) -> Script:
-    """``n`` requests arriving over ``arrival_steps`` steps, each prompt one of three prefixes
-    then a suffix of its own (lengths in ``range(*prefix_lens)``, ``range(*suffix_lens)``)."""
-    rng = random.Random(seed)
-
-    def tokens(lens: tuple[int, int]) -> list[int]:
-        return [rng.randrange(vocab) for _ in range(rng.randrange(*lens))]
-
-    prefixes = [tokens(prefix_lens) for _ in range(3)]
-    requests = []
-    for _ in range(n):
-        prompt = rng.choice(prefixes) + tokens(suffix_lens)
-        requests.append(
-            RequestSpec(
-                prompt, rng.randrange(1, 30), rng.randrange(0, arrival_steps), **request_kwargs
-            )
-        )
-    return Script(spec, requests)
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
