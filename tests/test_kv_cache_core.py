@@ -1,6 +1,7 @@
 """``kvblocks._core.KVCacheCore``, the Rust engine under ``kvblocks.vllm.KVCacheManager``,
 through its Python surface, with stand-in requests carrying the fields vLLM's ``Request``
-has: vLLM's worked trace, and bad input that changes nothing."""
+has: vLLM's worked trace, several groups, and bad input that changes nothing. (Runs
+without vLLM; tests/vllm_tier compares the engine with vLLM itself.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvblocks._core import KVCacheBlockIds, KVCacheCore
+from kvblocks._core import KVCacheBlockIds, KVCacheCore, KVCacheGroup
 
 WAITING, RUNNING = "waiting", "running"  # stand-ins for vLLM's RequestStatus members
 
@@ -24,29 +25,41 @@ def request(rid: str, hashes: list[Any], num_tokens: int, computed: int = 0) -> 
         request_id=rid,
         block_hashes=hashes,
         num_tokens=num_tokens,
+        num_prompt_tokens=num_tokens,
         num_computed_tokens=computed,
+        num_in_flight_tokens=0,
+        shared_prefix_boundary=0,
         status=WAITING,
     )
 
 
-def core(num_blocks: int, block_size: int, **kwargs: Any) -> KVCacheCore:
+def core(
+    num_blocks: int, block_size: int, groups: list[KVCacheGroup] | None = None, **kwargs: Any
+) -> KVCacheCore:
+    groups = groups or [KVCacheGroup("full", block_size)]
+    full_first = sorted(range(len(groups)), key=lambda g: groups[g].kind != "full")
     return KVCacheCore(
-        num_blocks, block_size, max_model_len=4096, admitted_statuses=[WAITING], **kwargs
+        num_blocks,
+        groups,
+        lookup_sets=[[g] for g in full_first],
+        max_model_len=4096,
+        waiting_statuses=[WAITING],
+        **kwargs,
     )
 
 
-def admit(c: KVCacheCore, rid: str, hashes: list[bytes], num_tokens: int) -> list[int]:
-    b = c.block_size
-    hits = c.lookup(hashes, (num_tokens - 1) // b)
+def admit(c: KVCacheCore, rid: str, hashes: list[bytes], num_tokens: int) -> tuple[list[int], ...]:
+    hits, num_hit, _ = c.lookup(hashes, num_tokens - 1)
     new = c.allocate_for_request(
         request(rid, hashes, num_tokens),
-        num_tokens - len(hits) * b,
-        num_new_computed_tokens=len(hits) * b,
+        num_tokens - num_hit,
+        num_new_computed_tokens=num_hit,
         new_computed_blocks=hits,
         full_sequence_must_fit=True,
     )
     assert new is not None
-    return c.get_block_ids(rid)
+    ids: tuple[list[int], ...] = c.get_block_ids(rid)
+    return ids
 
 
 def test_worked_trace() -> None:
@@ -54,8 +67,8 @@ def test_worked_trace() -> None:
     §3.9: block 0 is the null block, hits are capped at num_tokens - 1, frees go tail first)."""
     c = core(11, 16, enable_events=True)
     shared = [h(1), h(2), h(3)]
-    assert admit(c, "r0", shared, 55) == [1, 2, 3, 4]
-    assert admit(c, "r1", shared, 53) == [1, 2, 3, 5]
+    assert admit(c, "r0", shared, 55) == ([1, 2, 3, 4],)
+    assert admit(c, "r1", shared, 53) == ([1, 2, 3, 5],)
     assert c.num_free_blocks == 5
     assert c.usage == pytest.approx(0.5)
     assert c.estimate_cached_tokens("r1") == 48
@@ -65,17 +78,41 @@ def test_worked_trace() -> None:
     c.free("never-seen")
     assert len(c) == 0
     # A 48-token prompt hits only 2 blocks: the last token must be computed.
-    assert c.lookup(shared, (48 - 1) // 16).block_ids == [1, 2]
+    hits, num_hit, _ = c.lookup(shared, 48 - 1)
+    assert (hits.get_block_ids(), num_hit) == (([1, 2],), 32)
     assert c.get_blocks("r0") is c.empty_kv_cache_blocks
     events = c.take_events()
-    assert events[0] == ("stored", "r0", 0, 3)
-    assert ("stored", "r1", 3, 3) not in events
+    assert events[0] == ("stored", "r0", 0, 0, 3, ())
+    assert all(e[1] != "r1" for e in events if e[0] == "stored")
     assert c.reset_prefix_cache()
     assert c.take_events() == [("cleared",)]
-    assert c.lookup(shared, 3) is c.empty_kv_cache_blocks
+    assert c.lookup(shared, 47)[0] is c.empty_kv_cache_blocks
 
 
-def test_watermark_applies_to_admitted_statuses_only() -> None:
+def test_two_groups_share_one_pool() -> None:
+    """Full attention and a 4-token sliding window (block 2): each group has its own
+    blocks from the one pool, and the window group replaces blocks it no longer reads by
+    the null block (0)."""
+    groups = [KVCacheGroup("full", 2), KVCacheGroup("sliding_window", 2, sliding_window=4)]
+    c = core(20, 2, groups, enable_events=True)
+    hashes = [h(i) for i in range(4)]
+    assert admit(c, "a", hashes, 8) == ([1, 2, 3, 4], [5, 6, 7, 8])
+    running = request("a", hashes, 9, computed=8)
+    running.status = RUNNING
+    assert c.allocate_for_request(running, 1) is not None
+    full, window = c.get_block_ids("a")
+    assert full == [1, 2, 3, 4, 9]
+    assert window[:2] == [0, 0], "tokens 0..4 are out of every later token's window"
+    stored_groups = {e[2] for e in c.take_events() if e[0] == "stored"}
+    assert stored_groups == {0, 1}
+    c.free("a")
+    hits, num_hit, _ = c.lookup(hashes, 8)
+    assert num_hit == 8
+    assert hits.get_block_ids() == ([1, 2, 3, 4], [0, 0, 7, 8])
+    assert hits.get_block_ids(group_ids=[1]) == ([0, 0, 7, 8],)
+
+
+def test_watermark_applies_to_waiting_requests_only() -> None:
     c = core(6, 4, watermark_blocks=3)
     waiting = request("a", [], 12)
     assert c.allocate_for_request(waiting, 12) is None  # 3 blocks + 3 watermark > 5 free
@@ -88,7 +125,7 @@ def test_watermark_applies_to_admitted_statuses_only() -> None:
 def test_bad_input_changes_nothing() -> None:
     c = core(8, 4)
     admit(c, "a", [h(1)], 6)
-    state = (c.num_free_blocks, c.get_block_ids("a"), c.lookup([h(1)], 1).block_ids)
+    state = (c.num_free_blocks, c.get_block_ids("a"), c.lookup([h(1)], 5)[1])
 
     def allocate(hashes: Any, num_new: int = 8, hits: Any = None) -> Any:
         return c.allocate_for_request(request("b", hashes, 8), num_new, new_computed_blocks=hits)
@@ -101,43 +138,53 @@ def test_bad_input_changes_nothing() -> None:
         allocate([h(1), b"short"])
     with pytest.raises(ValueError, match="greater than 0"):
         allocate([], num_new=0)
-    for hits in ([0], [99], [3]):  # the null block, out of range, not cached
+    for hits in ([[99]], [[3]], [[1], [1]]):  # out of range, not cached, two groups
         with pytest.raises(ValueError):
             allocate([h(1)], hits=KVCacheBlockIds(hits))
     with pytest.raises(TypeError, match="get_computed_blocks"):
         allocate([h(1)], hits=[1])
     with pytest.raises(ValueError, match="first allocation"):
         c.allocate_for_request(
-            request("a", [h(1)], 8, computed=6), 2, new_computed_blocks=KVCacheBlockIds([1])
+            request("a", [h(1)], 8, computed=6), 2, new_computed_blocks=KVCacheBlockIds([[1]])
         )
     with pytest.raises(ValueError, match="connector"):
         c.allocate_for_request(request("b", [], 8), 4, num_external_computed_tokens=4)
     with pytest.raises(ValueError):
-        c.cache_blocks("a", [h(1), b"\x00" * 7], 8)
-    assert (c.num_free_blocks, c.get_block_ids("a"), c.lookup([h(1)], 1).block_ids) == state
-    assert c.get_block_ids("b") == []
+        c.cache_blocks(request("a", [h(1), b"\x00" * 7], 8), 8)
+    assert (c.num_free_blocks, c.get_block_ids("a"), c.lookup([h(1)], 5)[1]) == state
+    assert c.get_block_ids("b") == ([],)
     with pytest.raises(ValueError):
-        KVCacheCore(0, 4, max_model_len=8)
+        core(0, 4)
     with pytest.raises(ValueError):
-        KVCacheCore(8, 0, max_model_len=8)
+        core(8, 0)
+    with pytest.raises(ValueError, match="same block size"):
+        core(8, 4, [KVCacheGroup("full", 4), KVCacheGroup("full", 8)])
+    with pytest.raises(ValueError, match="expected"):
+        KVCacheGroup("sliding_window", 4)  # no window
+    with pytest.raises(ValueError, match="expected"):
+        KVCacheGroup("mamba", 4)
 
 
 def test_refusal_when_full_changes_nothing() -> None:
     c = core(4, 4)
     admit(c, "a", [], 9)  # 3 blocks: the pool is full
     assert c.allocate_for_request(request("b", [], 4), 4) is None
-    assert c.get_block_ids("b") == []
+    assert c.get_block_ids("b") == ([],)
     assert c.num_free_blocks == 0
 
 
 def test_block_ids_results() -> None:
-    ids = KVCacheBlockIds([3, 1, 2])
-    assert ids.get_block_ids() == ([3, 1, 2],)
-    assert ids.get_block_ids(allow_none=True) == ([3, 1, 2],)
-    assert KVCacheBlockIds([]).get_block_ids(allow_none=True) is None
-    assert KVCacheBlockIds([]).get_block_ids() == ([],)
-    assert len(ids) == 3
+    ids = KVCacheBlockIds([[3, 1, 2], []])
+    assert ids.get_block_ids() == ([3, 1, 2], [])
+    assert ids.get_block_ids(allow_none=True) == ([3, 1, 2], [])
+    assert ids.get_block_ids(allow_none=True, group_ids=[1]) is None
+    assert ids.get_block_ids(group_ids=[1, 0]) == ([], [3, 1, 2])
+    with pytest.raises(ValueError, match="out of range"):
+        ids.get_block_ids(group_ids=[2])
+    assert KVCacheBlockIds([[]]).get_block_ids(allow_none=True) is None
+    assert KVCacheBlockIds([[]]).get_block_ids() == ([],)
+    assert len(ids) == 2
     fresh = ids.get_block_ids()
     assert fresh is not None
     fresh[0].append(9)  # a fresh list each call, as vLLM's
-    assert ids.block_ids == [3, 1, 2]
+    assert ids.get_block_ids()[0] == [3, 1, 2]

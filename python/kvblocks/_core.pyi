@@ -16,6 +16,7 @@ __all__ = [
     "BlockManager",
     "KVCacheBlockIds",
     "KVCacheCore",
+    "KVCacheGroup",
     "KvBlocksError",
     "TokenSequence",
     "__version__",
@@ -217,33 +218,38 @@ class BlockManager:
 
 @final
 class KVCacheCore:
-    """The Rust half of ``kvblocks.vllm.KVCacheManager`` (vLLM's manager for one
-    full-attention group): keyed by request id, on block hashes the caller passes."""
+    """The Rust half of ``kvblocks.vllm.KVCacheManager``: vLLM's KV-cache manager over one
+    or more groups, keyed by request id, reading vLLM ``Request`` fields in place."""
 
     def __new__(
         cls,
         num_blocks: int,
-        block_size: int,
-        /,
+        groups: Sequence[KVCacheGroup],
         *,
+        lookup_sets: Sequence[Sequence[int]],
         max_model_len: int,
         enable_caching: bool = True,
         enable_events: bool = False,
         watermark_blocks: int = 0,
-        admitted_statuses: list[Any] = ...,
+        use_eagle: bool = False,
+        num_prefill_lookahead: int = 0,
+        retention_interval: int | None = None,
+        waiting_statuses: list[Any] = ...,
     ) -> KVCacheCore: ...
     @property
     def empty_kv_cache_blocks(self) -> KVCacheBlockIds: ...
     @property
     def num_blocks(self) -> int: ...
     @property
-    def block_size(self) -> int: ...
+    def num_groups(self) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...
     @property
     def usage(self) -> float: ...
     def __len__(self) -> int: ...
-    def lookup(self, block_hashes: list[bytes], max_blocks: int, /) -> KVCacheBlockIds: ...
+    def lookup(
+        self, block_hashes: list[bytes], max_length: int, /
+    ) -> tuple[KVCacheBlockIds, int, int]: ...
     def allocate_for_request(
         self,
         request: Any,
@@ -259,26 +265,46 @@ class KVCacheCore:
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: Any = None,
     ) -> KVCacheBlockIds | None: ...
-    def cache_blocks(
-        self, request_id: str, block_hashes: list[bytes], num_tokens: int, /
-    ) -> None: ...
+    def cache_blocks(self, request: Any, num_tokens: int, /) -> None: ...
+    def remove_skipped_blocks(self, request_id: str, num_processed: int, /) -> None: ...
     def free(self, request_id: str, /) -> None: ...
-    def get_block_ids(self, request_id: str, /) -> list[int]: ...
+    def get_block_ids(self, request_id: str, /) -> tuple[list[int], ...]: ...
     def get_blocks(self, request_id: str, /) -> KVCacheBlockIds: ...
     def estimate_cached_tokens(self, request_id: str, /) -> int: ...
     def reset_prefix_cache(self) -> bool: ...
     def take_events(
         self,
-    ) -> list[tuple[str] | tuple[str, bytes] | tuple[str, str, int, int]]: ...
+    ) -> list[
+        tuple[str] | tuple[str, bytes, int] | tuple[str, str, int, int, int, tuple[int, ...]]
+    ]: ...
+
+@final
+class KVCacheGroup:
+    """One KV-cache group for ``KVCacheCore``: ``kind`` is ``"full"``, ``"sliding_window"``
+    (with ``sliding_window``) or ``"chunked_local"`` (with ``attention_chunk_size``)."""
+
+    def __new__(
+        cls,
+        kind: str,
+        block_size: int,
+        *,
+        sliding_window: int | None = None,
+        extra_retained_tokens: int = 0,
+        attention_chunk_size: int | None = None,
+        max_admission_blocks: int | None = None,
+        is_eagle_group: bool = False,
+    ) -> KVCacheGroup: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
 
 @final
 class KVCacheBlockIds:
-    """Block ids of one KV-cache group, where vLLM's manager returns ``KVCacheBlocks``."""
+    """Block ids per KV-cache group, where vLLM's manager returns ``KVCacheBlocks``."""
 
-    def __new__(cls, block_ids: Iterable[int], /) -> KVCacheBlockIds: ...
-    @property
-    def block_ids(self) -> list[int]: ...
+    def __new__(cls, block_ids: Iterable[Iterable[int]], /) -> KVCacheBlockIds: ...
     def get_block_ids(
-        self, allow_none: bool = False, *, group_ids: Any = None
-    ) -> tuple[list[int]] | None: ...
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None: ...
     def __len__(self) -> int: ...

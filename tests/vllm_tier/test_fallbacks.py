@@ -14,9 +14,14 @@ import pytest
 import torch
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MLAAttentionSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 
@@ -118,7 +123,7 @@ def test_supported_configuration_gets_kvblocks(model_dir: Path) -> None:
 CONFIG_CASES = {
     "kv_connector": setter("kv_transfer_config", object()),
     "ec_connector": setter("ec_transfer_config", object()),
-    "speculative": setter("speculative_config", object()),
+    "speculative": setter("speculative_config", SimpleNamespace(method="draft_model")),
     "context_parallel": setter("parallel_config.prefill_context_parallel_size", 2),
     "metrics_collector": setter("observability_config.kv_cache_metrics", True),
     "hash_algo": setter("cache_config.prefix_caching_hash_algo", "md5"),
@@ -139,10 +144,12 @@ def test_aux_output_falls_back(model_dir: Path) -> None:
 
 
 MANAGER_CASES: dict[str, dict[str, Any]] = {
-    "speculative": {"use_eagle": True},
     "hash_block_size": {"hash_block_size": 8},
     "context_parallel": {"dcp_world_size": 2},
     "metrics_collector": {"metrics_collector": object()},
+    "manager_argument": {"an_argument_from_a_later_vllm": True},
+    # vLLM's own manager raises for these; kvblocks steps aside so that it does.
+    "vllm_rejects": {"use_eagle": True, "num_prefill_lookahead": 32},
 }
 
 
@@ -151,21 +158,87 @@ def test_manager_arguments_fall_back(model_dir: Path, reason: str) -> None:
     assert fell_back(decide(model_dir, **MANAGER_CASES[reason]), reason)
 
 
-@pytest.mark.parametrize("kwargs", [{"num_hash_lookahead_tokens": 1}, {"num_prefill_lookahead": 2}])
-def test_lookahead_falls_back(model_dir: Path, kwargs: dict[str, int]) -> None:
-    assert fell_back(decide(model_dir, **kwargs), "speculative")
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"use_eagle": True},
+        {"num_hash_lookahead_tokens": 1},
+        {"num_prefill_lookahead": 2},
+        {"use_eagle": True, "num_prefill_lookahead": 3, "num_hash_lookahead_tokens": 2},
+    ],
+)
+def test_speculative_arguments_run_on_kvblocks(model_dir: Path, kwargs: dict[str, Any]) -> None:
+    manager = decide(model_dir, **kwargs)
+    assert isinstance(manager, KVCacheManager)
+    assert dict(_state.fallbacks) == {}
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle", "eagle3", "mtp"])
+def test_speculative_methods_run_on_kvblocks(model_dir: Path, method: str) -> None:
+    spec_config = setter("speculative_config", SimpleNamespace(method=method))
+    assert isinstance(decide(model_dir, spec_config), KVCacheManager)
+
+
+def mla(block_size: int = 16) -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def chunked(block_size: int = 16) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype=torch.float32,
+        attention_chunk_size=64,
+    )
+
+
+SUPPORTED_LAYOUTS = {
+    "sliding window alone": lambda: kv_cache_config(sliding()),
+    "full + sliding window": lambda: kv_cache_config(full(), sliding()),
+    "two full groups": lambda: kv_cache_config(full(), full()),
+    "MLA": lambda: kv_cache_config(mla()),
+    "chunked local + full": lambda: kv_cache_config(chunked(), full()),
+}
+
+
+@pytest.mark.parametrize("layout", list(SUPPORTED_LAYOUTS))
+def test_implemented_layouts_run_on_kvblocks(model_dir: Path, layout: str) -> None:
+    manager = decide(model_dir, kv_cache_config=SUPPORTED_LAYOUTS[layout]())
+    assert isinstance(manager, KVCacheManager)
+    assert dict(_state.fallbacks) == {}
+
+
+class LaterSlidingWindowSpec(SlidingWindowSpec):
+    """A spec subclass vLLM might add: not on the allowlist, whatever it inherits."""
 
 
 def test_kv_cache_layouts_fall_back(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(sliding())), "kv_cache_spec")
-    two = kv_cache_config(full(), full())
-    assert fell_back(decide(model_dir, kv_cache_config=two), "kv_cache_groups")
-    eagle = kv_cache_config(full())
-    eagle.kv_cache_groups[0].is_eagle_group = True
-    assert fell_back(decide(model_dir, kv_cache_config=eagle), "kv_cache_group_role")
+    mixed = kv_cache_config(full(16), sliding(32))
+    assert fell_back(decide(model_dir, kv_cache_config=mixed), "hash_block_size")
+    subclass = LaterSlidingWindowSpec(
+        block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64
+    )
+    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(subclass)), "kv_cache_spec")
+    cross = CrossAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(cross)), "kv_cache_spec")
+    sink = SinkFullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sink_len=4
+    )
+    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(sink)), "kv_cache_spec")
+    eagle_chunked = kv_cache_config(chunked(), full())
+    assert fell_back(
+        decide(model_dir, kv_cache_config=eagle_chunked, use_eagle=True), "kv_cache_spec"
+    )
+    host = kv_cache_config(full())
+    host.kv_cache_groups[0].host_resident = True
+    assert fell_back(decide(model_dir, kv_cache_config=host), "kv_cache_group_role")
+    # vLLM refuses a retention interval that cannot apply (no sliding window here).
     retained = kv_cache_config(full())
     retained.prefix_cache_retention_interval = 16
-    assert fell_back(decide(model_dir, kv_cache_config=retained), "retention")
+    assert fell_back(decide(model_dir, kv_cache_config=retained), "vllm_rejects")
+    empty = kv_cache_config()
+    assert fell_back(decide(model_dir, kv_cache_config=empty), "kv_cache_groups")
     monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: True))
     assert fell_back(decide(model_dir), "zeroing")
 
@@ -174,17 +247,16 @@ def test_unreadable_configuration_never_raises(model_dir: Path) -> None:
     assert fell_back(decide(model_dir, setter("parallel_config", None)), "guard_error")
 
 
-def test_real_scheduler_with_sliding_window_runs_on_vllm(
+def test_real_scheduler_with_an_rswa_spec_runs_on_vllm(
     model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """End to end: vLLM builds its own manager, logs one line, and schedules normally."""
+    rswa = RSWASpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, rswa_window=32)
     kvblocks.vllm.install("all")
     _state.fallbacks.clear()
     _state._logged.clear()  # each reason is logged once per process
     with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
-        sched = make_scheduler(
-            model_dir, SchedulerSpec(), kv_cache_config=kv_cache_config(sliding())
-        )
+        sched = make_scheduler(model_dir, SchedulerSpec(), kv_cache_config=kv_cache_config(rswa))
     assert type(sched.kv_cache_manager) is VllmKVCacheManager
     assert dict(_state.fallbacks) == {("kv_cache_manager", "kv_cache_spec"): 1}
     assert sum("kv_cache_manager falls back" in r.getMessage() for r in caplog.records) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from enum import StrEnum
 from typing import Any
 
 _lock = threading.Lock()
@@ -18,34 +19,75 @@ active: dict[str, str] = {}
 fallbacks: Counter[tuple[str, str]] = Counter()
 _logged: set[tuple[str, str]] = set()
 
-#: Why a part (or one request) goes to vLLM's own code, by short name.
-REASONS = {
-    "lookahead": "num_hash_lookahead_tokens != 0 (EAGLE/MTP lookahead hashing)",
-    "hash_fn": "a prefix-caching hash function kvblocks does not implement",
-    "none_hash": "kvblocks' NONE_HASH differs from vllm's kv_cache_utils.NONE_HASH",
-    "prompt_embeds": "a request with prompt_embeds",
-    "mm_layout": "multimodal items that overlap or are not sorted by position",
-    "pickle_identity": "pickle-based hash with extra-key strings shared by identity",
-    "bad_field": "a request field kvblocks cannot read (type or range)",
+
+class Reason(StrEnum):
+    """Why a part (or one request) goes to vLLM's own code. The value is the short name
+    ``status()`` counts; :attr:`text` says it in words."""
+
+    # the request block hasher (see kvblocks.vllm.block_hasher)
+    LOOKAHEAD = "lookahead"
+    HASH_FN = "hash_fn"
+    NONE_HASH = "none_hash"
+    PROMPT_EMBEDS = "prompt_embeds"
+    MM_LAYOUT = "mm_layout"
+    PICKLE_IDENTITY = "pickle_identity"
+    BAD_FIELD = "bad_field"
     # the KV-cache manager (see kvblocks.vllm.support)
-    "kv_cache_groups": "not exactly one KV-cache group (hybrid or attention-free model)",
-    "kv_cache_spec": "a KV-cache spec other than plain full attention (sliding window, MLA, "
-    "cross-attention, Mamba, ...)",
-    "kv_cache_group_role": "a special KV-cache group (EAGLE, host-resident, HiSparse)",
-    "hash_block_size": "hash_block_size differs from the block size (prefix_match_unit, DCP)",
-    "kv_connector": "a KV connector (kv_transfer_config)",
-    "ec_connector": "an encoder-cache connector (ec_transfer_config)",
-    "aux_output": "auxiliary outputs (routed experts) that read the block pool",
-    "speculative": "speculative decoding (EAGLE/MTP drafts, lookahead slots or hashing)",
-    "context_parallel": "decode or prefill context parallelism",
-    "metrics_collector": "the KV-cache metrics collector (--kv-cache-metrics)",
-    "zeroing": "KV-cache zeroing (Mamba or mixed-precision KV cache)",
-    "retention": "a prefix-cache retention interval",
-    "hash_algo": "a prefix-caching hash algorithm other than vLLM's four",
-    "scheduler_cls": "a custom scheduler class",
-    "encoder_decoder": "an encoder-decoder model",
-    "guard_error": "the configuration could not be read",
+    KV_CACHE_GROUPS = "kv_cache_groups"
+    KV_CACHE_SPEC = "kv_cache_spec"
+    KV_CACHE_GROUP_ROLE = "kv_cache_group_role"
+    HASH_BLOCK_SIZE = "hash_block_size"
+    KV_CONNECTOR = "kv_connector"
+    EC_CONNECTOR = "ec_connector"
+    AUX_OUTPUT = "aux_output"
+    SPECULATIVE = "speculative"
+    CONTEXT_PARALLEL = "context_parallel"
+    METRICS_COLLECTOR = "metrics_collector"
+    ZEROING = "zeroing"
+    HASH_ALGO = "hash_algo"
+    SCHEDULER_CLS = "scheduler_cls"
+    ENCODER_DECODER = "encoder_decoder"
+    MANAGER_ARGUMENT = "manager_argument"
+    VLLM_REJECTS = "vllm_rejects"
+    GUARD_ERROR = "guard_error"
+
+    @property
+    def text(self) -> str:
+        return _TEXTS[self]
+
+
+_TEXTS = {
+    Reason.LOOKAHEAD: "num_hash_lookahead_tokens != 0 (EAGLE/MTP lookahead hashing)",
+    Reason.HASH_FN: "a prefix-caching hash function kvblocks does not implement",
+    Reason.NONE_HASH: "kvblocks' NONE_HASH differs from vllm's kv_cache_utils.NONE_HASH",
+    Reason.PROMPT_EMBEDS: "a request with prompt_embeds",
+    Reason.MM_LAYOUT: "multimodal items that overlap or are not sorted by position",
+    Reason.PICKLE_IDENTITY: "pickle-based hash with extra-key strings shared by identity",
+    Reason.BAD_FIELD: "a request field kvblocks cannot read (type or range)",
+    Reason.KV_CACHE_GROUPS: "no KV-cache group (an attention-free model)",
+    Reason.KV_CACHE_SPEC: "a KV-cache spec kvblocks does not implement (Mamba, cross-attention, "
+    "sink, R-SWA, circular buffer, bounded-replay sliding window, hidden-state cache, ...)",
+    Reason.KV_CACHE_GROUP_ROLE: "a special KV-cache group (host-resident, HiSparse)",
+    Reason.HASH_BLOCK_SIZE: "KV-cache groups whose block sizes differ from the hash block size "
+    "(prefix_match_unit, mixed page sizes, DCP)",
+    Reason.KV_CONNECTOR: "a KV connector (kv_transfer_config)",
+    Reason.EC_CONNECTOR: "an encoder-cache connector (ec_transfer_config)",
+    Reason.AUX_OUTPUT: "auxiliary outputs (routed experts) that read the block pool",
+    Reason.SPECULATIVE: "a speculative-decoding method kvblocks does not implement "
+    "(it implements n-gram, suffix, EAGLE, EAGLE-3 and MTP)",
+    Reason.CONTEXT_PARALLEL: "decode or prefill context parallelism",
+    Reason.METRICS_COLLECTOR: "the KV-cache metrics collector (--kv-cache-metrics)",
+    Reason.ZEROING: "KV-cache zeroing (Mamba or mixed-precision KV cache)",
+    Reason.HASH_ALGO: "a prefix-caching hash algorithm other than vLLM's four",
+    Reason.SCHEDULER_CLS: "a custom scheduler class",
+    Reason.ENCODER_DECODER: "an encoder-decoder model",
+    Reason.MANAGER_ARGUMENT: "a KVCacheManager argument kvblocks does not know",
+    Reason.VLLM_REJECTS: "a configuration vLLM's own manager rejects (vLLM raises its error)",
+    Reason.GUARD_ERROR: "the configuration could not be read",
 }
+
+#: Short name -> text, for every :class:`Reason`.
+REASONS = {reason.value: reason.text for reason in Reason}
 
 
 def logger() -> logging.Logger:

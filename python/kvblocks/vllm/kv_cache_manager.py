@@ -1,13 +1,15 @@
 """kvblocks' KV-cache manager for vLLM 0.33's scheduler: vLLM's ``KVCacheManager`` interface
-for one full-attention group, on kvblocks' Rust block pool.
+on kvblocks' Rust allocation engine, for every layout :mod:`kvblocks.vllm.support` allows
+(any number of full-attention, MLA, sliding-window and chunked-local groups; EAGLE/MTP and
+other speculative decoding).
 
-The Rust side (``kvblocks._core.KVCacheCore``) owns what vLLM's block pool owns (reference
-counts, the free queue in eviction order, the hash-to-block map) and, per request, its block
-table and how many of its blocks are registered in the cache. The request's own state stays
-the request's: each call passes ``request.num_tokens``, ``request.num_computed_tokens`` and
-the list ``request.block_hashes`` itself, which Rust reads in place only where the call needs
-hashes. Block ids reach Python as int lists inside ``KVCacheBlockIds`` (what the scheduler
-gets where vLLM returns ``KVCacheBlocks``: it only calls ``get_block_ids``); no
+The Rust side (``kvblocks._core.KVCacheCore``) owns what vLLM's block pool, coordinator and
+single-type managers own (reference counts, the free queue in eviction order, the
+hash-to-block map, and per request and group its block table and how many of its blocks are
+registered in the cache). The request's own state stays the request's: each call passes the
+request (or its counts and the list ``request.block_hashes``), which Rust reads in place
+where the call needs it. Block ids reach Python as int lists inside ``KVCacheBlockIds`` (what
+the scheduler gets where vLLM returns ``KVCacheBlocks``: it only calls ``get_block_ids``); no
 ``KVCacheBlock`` object is made. ``allocate_slots``, the call vLLM makes for every running
 request at every step, goes straight to Rust, which reads the request's fields itself.
 
@@ -24,10 +26,12 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
     maybe_convert_block_hash,
     to_event_extra_keys,
 )
 from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
     KVCacheConfig,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -35,8 +39,9 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from kvblocks._core import KVCacheBlockIds, KVCacheCore
+from kvblocks._core import KVCacheBlockIds, KVCacheCore, KVCacheGroup
 from kvblocks.vllm import _state
+from kvblocks.vllm.support import Unsupported, spec_kind, unsupported_manager_arguments
 
 _MEDIUM = "GPU"
 
@@ -44,26 +49,72 @@ _MEDIUM = "GPU"
 class _GroupManager:
     """The part of vLLM's single-type manager that the scheduler and EngineCore read."""
 
-    def __init__(self, kv_cache_spec: Any) -> None:
+    def __init__(self, kv_cache_spec: Any, group_id: int) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size: int = kv_cache_spec.block_size
-        self.kv_cache_group_id = 0
+        self.kv_cache_group_id = group_id
 
 
 class _Coordinator:
     """The part of vLLM's coordinator that the scheduler and EngineCore read."""
 
-    def __init__(self, kv_cache_spec: Any) -> None:
-        self.single_type_managers = (_GroupManager(kv_cache_spec),)
+    def __init__(self, specs: list[Any], eagle_group_ids: set[int]) -> None:
+        self.single_type_managers = tuple(_GroupManager(s, i) for i, s in enumerate(specs))
         self.enable_partial_hash_hits = False
-        self.eagle_group_ids: frozenset[int] = frozenset()
+        self.eagle_group_ids = eagle_group_ids
+
+
+def _engine_group(group: Any, max_in_flight_tokens: int, max_model_len: int) -> KVCacheGroup:
+    """The Rust engine's description of one of vLLM's KV-cache groups."""
+    spec = group.kv_cache_spec
+    kind = spec_kind(spec, group.role)
+    cap = None
+    if kind != "full":
+        cap = spec.max_admission_blocks_per_request(
+            max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
+        )
+    return KVCacheGroup(
+        kind or "",
+        spec.block_size,
+        sliding_window=spec.sliding_window if kind == "sliding_window" else None,
+        extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0),
+        attention_chunk_size=spec.attention_chunk_size if kind == "chunked_local" else None,
+        max_admission_blocks=cap,
+        is_eagle_group=group.is_eagle_group,
+    )
+
+
+def _lookup_sets(kv_cache_config: KVCacheConfig) -> list[list[int]]:
+    """vLLM's hybrid coordinator's lookup order: groups with equal specs (vLLM's equality)
+    and the same manager are looked up together; full attention first."""
+    sets: list[tuple[Any, str | None, list[int]]] = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        kind = spec_kind(spec, group.role)
+        for seen_spec, seen_kind, members in sets:
+            if seen_spec == spec and seen_kind == kind:
+                members.append(i)
+                break
+        else:
+            sets.append((spec, kind, [i]))
+    sets.sort(key=lambda entry: not isinstance(entry[0], FullAttentionSpec))
+    return [members for _, _, members in sets]
 
 
 class KVCacheManager:
-    """vLLM 0.33's ``KVCacheManager`` (same constructor, same decisions) for one
-    full-attention group; :mod:`kvblocks.vllm.scheduler` decides when it applies."""
+    """vLLM 0.33's ``KVCacheManager`` (same constructor, same decisions) on kvblocks' Rust
+    allocation engine; :mod:`kvblocks.vllm.scheduler` decides when it applies."""
 
-    def __init__(
+    def __init__(self, **kwargs: Any) -> None:
+        try:
+            reason = unsupported_manager_arguments(kwargs)
+        except Exception as error:  # an unexpected config shape
+            raise Unsupported(_state.Reason.GUARD_ERROR) from error
+        if reason is not None:
+            raise Unsupported(reason)
+        self._init(**kwargs)
+
+    def _init(
         self,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
@@ -82,52 +133,43 @@ class KVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        from kvblocks.vllm.support import Unsupported, unsupported_manager_arguments
-
-        try:
-            reason = unsupported_manager_arguments(
-                kv_cache_config,
-                scheduler_block_size=scheduler_block_size,
-                hash_block_size=hash_block_size,
-                use_eagle=use_eagle,
-                num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-                num_prefill_lookahead=num_prefill_lookahead,
-                dcp_world_size=dcp_world_size,
-                pcp_world_size=pcp_world_size,
-                metrics_collector=metrics_collector,
-            )
-        except Exception as error:  # an unexpected config shape
-            raise Unsupported("guard_error") from error
-        if reason is not None:
-            raise Unsupported(reason)
-        if watermark < 0.0:
-            raise ValueError("watermark must be non-negative")
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        groups = kv_cache_config.kv_cache_groups
+        specs = [g.kv_cache_spec for g in groups]
+        in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
-        self.use_eagle = False
+        self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = None
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.num_kv_cache_groups = 1
-        self.block_size: int = spec.block_size
+        self.num_kv_cache_groups = len(groups)
+        self.block_size: int = scheduler_block_size
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.coordinator = _Coordinator(spec)
+        eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
+        if use_eagle and not eagle_group_ids:
+            eagle_group_ids = set(range(len(groups)))
+        self.coordinator = _Coordinator(specs, eagle_group_ids)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids = ()
-        self.kv_cache_event_metadata = (
-            (get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec)),
+        self.kv_cache_event_metadata = tuple(
+            (get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec))
+            for spec in specs
         )
         self._core = KVCacheCore(
             kv_cache_config.num_blocks,
-            self.block_size,
+            [_engine_group(g, in_flight, max_model_len) for g in groups],
+            lookup_sets=_lookup_sets(kv_cache_config),
             max_model_len=max_model_len,
             enable_caching=enable_caching,
             enable_events=enable_kv_cache_events,
             watermark_blocks=self.watermark_blocks,
-            admitted_statuses=[RequestStatus.WAITING, RequestStatus.PREEMPTED],
+            use_eagle=use_eagle,
+            num_prefill_lookahead=num_prefill_lookahead,
+            retention_interval=kv_cache_config.prefix_cache_retention_interval,
+            waiting_statuses=[RequestStatus.WAITING, RequestStatus.PREEMPTED],
         )
         self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
         self._events: list[KVCacheEvent] = []
@@ -138,7 +180,7 @@ class KVCacheManager:
     # -- what the scheduler calls every step -------------------------------------------------
 
     def new_step_starts(self) -> None:
-        """Full attention keeps no per-step state."""
+        """The implemented attention kinds keep no per-step state."""
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -147,30 +189,43 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        hits = self._core.lookup(request.block_hashes, max_cache_hit_length // self.block_size)
-        num_hits = len(hits)
+        hits, num_tokens, num_uncached = self._core.lookup(
+            request.block_hashes, max_cache_hit_length
+        )
         if (
-            num_hits
+            num_tokens
             and self.enable_kv_cache_events
             and getattr(request, "kv_cache_report_mode", "incremental") == "full"
         ):
-            self._events.append(self._stored_event(request, 0, num_hits, reused=True))
-        return hits, num_hits * self.block_size, 0
+            for group, ids in enumerate(hits.get_block_ids() or ()):
+                if ids:
+                    self._events.append(self._stored_event(request, group, 0, len(ids), None))
+        shared_prefix_boundary = num_tokens + num_uncached if num_uncached else 0
+        return hits, num_tokens, shared_prefix_boundary
 
     def allocate_slots(self, request: Request, *args: Any, **kwargs: Any) -> KVCacheBlockIds | None:
         """vLLM's ``allocate_slots`` (its arguments: ``KVCacheCore.allocate_for_request``), with
         KV events: Rust allocates, then the call's events become vLLM's event objects. Without
         events the instance attribute set in ``__init__`` sends vLLM's call to Rust directly."""
         blocks: KVCacheBlockIds | None = self._core.allocate_for_request(request, *args, **kwargs)
-        if blocks is not None:
-            self._collect_events(request)
+        self._collect_events(request)
         return blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         if self.enable_caching:
-            self._core.cache_blocks(request.request_id, request.block_hashes, num_computed_tokens)
+            self._core.cache_blocks(request, num_computed_tokens)
             if self.enable_kv_cache_events:
                 self._collect_events(request)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """vLLM's ``remove_skipped_blocks`` (the prompt length only matters to R-SWA, which
+        kvblocks does not implement)."""
+        self._core.remove_skipped_blocks(request_id, processed_computed_tokens)
 
     def free(self, request: Request) -> None:
         self._core.free(request.request_id)
@@ -179,7 +234,8 @@ class KVCacheManager:
         return self._core.get_blocks(request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return (self._core.get_block_ids(request_id),)
+        ids: tuple[list[int], ...] = self._core.get_block_ids(request_id)
+        return ids
 
     def estimate_cached_tokens(self, request: Request) -> int:
         return int(self._core.estimate_cached_tokens(request.request_id))
@@ -189,7 +245,7 @@ class KVCacheManager:
         return []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        """Full attention never copies a block on write."""
+        """Hits are block-aligned here: no block is copied on write."""
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, Any]:
@@ -222,47 +278,72 @@ class KVCacheManager:
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
+        self._collect_events(None)
         events, self._events = self._events, []
         return events
 
     def _collect_events(self, request: Request | None) -> None:
         """Turns the Rust side's events of the call just made (for ``request``) into vLLM's."""
         for raw in self._core.take_events():
-            if raw[0] == "removed" and len(raw) == 2:
+            kind = raw[0]
+            if kind == "removed" and len(raw) == 3:
+                _, block_hash, group = raw
                 self._events.append(
                     BlockRemoved(
-                        block_hashes=[maybe_convert_block_hash(raw[1])],
+                        block_hashes=[maybe_convert_block_hash(block_hash)],
                         medium=_MEDIUM,
-                        group_idx=0,
+                        group_idx=group,
                     )
                 )
-            elif raw[0] == "stored" and len(raw) == 4 and request is not None:
-                _, request_id, first, end = raw
+            elif kind == "stored" and len(raw) == 6 and request is not None:
+                _, request_id, group, first, end, skipped = raw
                 if request_id != request.request_id:
                     raise RuntimeError(f"kvblocks: blocks of {request_id!r} stored by another call")
-                self._events.append(self._stored_event(request, first, end))
-            elif raw[0] == "cleared":
+                parent = first if first > 0 else None
+                self._events.append(
+                    self._stored_event(request, group, first, end, parent, frozenset(skipped))
+                )
+            elif kind == "cleared":
                 self._events.append(AllBlocksCleared())
             else:
                 raise RuntimeError(f"kvblocks: unexpected KV event {raw!r}")
 
     def _stored_event(
-        self, request: Request, first: int, end: int, *, reused: bool = False
+        self,
+        request: Request,
+        group: int,
+        first: int,
+        end: int,
+        parent: int | None,
+        skipped: frozenset[int] = frozenset(),
     ) -> BlockStored:
-        """vLLM's ``BlockStored`` for the request's blocks ``[first, end)``, filled as vLLM's
-        block pool fills it (a reused-blocks report has no parent)."""
+        """vLLM's ``BlockStored`` for the request's blocks ``[first, end)`` of ``group`` less
+        the ``skipped`` ones, filled as vLLM's block pool fills it; ``parent`` is ``first``
+        when the event names the hash before the range (a reused-blocks report has none)."""
         size = self.block_size
         hashes = request.block_hashes
-        extra_keys, mm_idx = [], 0
-        for i in range(first, end):
-            keys, mm_idx = generate_block_hash_extra_keys(request, i * size, (i + 1) * size, mm_idx)
+        lookahead = self.num_hash_lookahead_tokens
+        stored = [i for i in range(first, end) if i not in skipped]
+        extra_keys: list[Any] = []
+        lookahead_ids: list[list[int]] | None = [] if lookahead else None
+        mm_idx = 0
+        for i in stored:
+            start, stop = i * size, (i + 1) * size
+            if lookahead:
+                keys, mm_idx = generate_lookahead_block_hash_extra_keys(
+                    request, start, stop, stop + lookahead, mm_idx
+                )
+                assert lookahead_ids is not None
+                lookahead_ids.append(request.all_token_ids[stop : stop + lookahead])
+            else:
+                keys, mm_idx = generate_block_hash_extra_keys(request, start, stop, mm_idx)
             extra_keys.append(keys)
         lora = request.lora_request
-        kind, sliding_window = self.kv_cache_event_metadata[0]
+        kind, sliding_window = self.kv_cache_event_metadata[group]
         return BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:end]],
+            block_hashes=[maybe_convert_block_hash(hashes[i]) for i in stored],
             parent_block_hash=(
-                None if reused or first == 0 else maybe_convert_block_hash(hashes[first - 1])
+                None if parent is None else maybe_convert_block_hash(hashes[parent - 1])
             ),
             token_ids=request.all_token_ids[first * size : end * size],
             block_size=size,
@@ -270,9 +351,9 @@ class KVCacheManager:
             medium=_MEDIUM,
             lora_name=lora.name if lora else None,
             extra_keys=to_event_extra_keys(extra_keys),
-            group_idx=0,
+            group_idx=group,
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=sliding_window,
             session_id=request.session_id,
-            lookahead_token_ids=None,
+            lookahead_token_ids=lookahead_ids,
         )

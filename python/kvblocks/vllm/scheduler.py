@@ -28,6 +28,7 @@ from vllm.v1.core.sched import async_scheduler as _async_scheduler_module
 from vllm.v1.core.sched import scheduler as _scheduler_module
 
 from kvblocks.vllm import _state
+from kvblocks.vllm._state import Reason
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from kvblocks.vllm.support import Unsupported, unsupported_config
 
@@ -57,7 +58,7 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     try:
         reason = unsupported_config(vllm_config, allowed_scheduler_cls=(Scheduler, AsyncScheduler))
     except Exception:  # an unexpected config shape: never break vLLM's start-up
-        reason = "guard_error"
+        reason = Reason.GUARD_ERROR
     if reason is None:
         try:  # the manager checks its own arguments
             manager = KVCacheManager(**kwargs)
@@ -65,13 +66,21 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
             reason = refusal.reason
         except Exception as error:  # a bug of ours must not stop vLLM: use vLLM's manager
             _state.logger().warning("kvblocks: could not build its KV-cache manager: %s", error)
-            reason = "guard_error"
+            reason = Reason.GUARD_ERROR
     if reason is not None:
         _state.fall_back("kv_cache_manager", reason)
         return _vllm_manager_class()(**kwargs)
-    caching = "prefix caching on" if manager.enable_caching else "prefix caching off"
-    _state.activate("kv_cache_manager", f"{manager.block_size}-token blocks, {caching}")
+    _state.activate("kv_cache_manager", _describe(manager))
     return manager
+
+
+def _describe(manager: KVCacheManager) -> str:
+    """e.g. ``2 groups (full, sliding_window), 16-token blocks, prefix caching on``."""
+    kinds = [kind for kind, _ in manager.kv_cache_event_metadata]
+    groups = f"{len(kinds)} groups ({', '.join(kinds)}), " if len(kinds) > 1 else ""
+    caching = "prefix caching on" if manager.enable_caching else "prefix caching off"
+    eagle = ", EAGLE block drop" if manager.use_eagle else ""
+    return f"{groups}{manager.block_size}-token blocks, {caching}{eagle}"
 
 
 def _asking_init(init: Callable[..., None]) -> Callable[..., None]:

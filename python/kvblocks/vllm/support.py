@@ -1,102 +1,182 @@
-"""Which vLLM configurations kvblocks' KV-cache manager reproduces exactly.
+"""Which vLLM configurations kvblocks' KV-cache manager reproduces exactly: an allowlist.
 
 Decided before the manager is built, from the ``VllmConfig``, the ``KVCacheConfig`` and the
-manager's own arguments: exactly one KV-cache group with a plain ``FullAttentionSpec``, block
-hashes at the block size, prefix caching on or off, no KV or encoder-cache connector, no
-speculative decoding (EAGLE/MTP drafts, lookahead slots or hashing), no decode or prefill
-context parallelism, no KV-cache metrics collector, no KV-cache zeroing, no Mamba, and one of
-vLLM's four hash algorithms. Each function returns ``None`` when supported, else the short
-name of the first reason (its text is in ``kvblocks.vllm._state.REASONS``).
+manager's own arguments. What is allowed is what kvblocks implements; anything else, a vLLM
+option it does not know included, falls back to vLLM's own manager:
+
+- KV-cache groups whose spec is, by exact type, one kvblocks implements (:data:`SPEC_KINDS`:
+  full attention and MLA, sliding window and sliding-window MLA, chunked local attention),
+  prefix-cacheable, in the default role, all with the hash block size (the scheduler's block
+  size);
+- vLLM's unitary, hybrid and no-prefix-cache coordinators (any number of such groups, prefix
+  caching on or off);
+- speculative decoding by n-gram, suffix, EAGLE, EAGLE-3 or MTP (the EAGLE block drop,
+  lookahead slots, prefill lookahead, lookahead hashing);
+- none of: a KV or encoder-cache connector, auxiliary outputs, context parallelism, the
+  KV-cache metrics collector, KV-cache zeroing (Mamba), a retention interval, an
+  encoder-decoder model, a custom scheduler class; one of vLLM's four hash algorithms;
+- only the ``KVCacheManager`` arguments vLLM 0.33 passes.
+
+Each function returns ``None`` when supported, else the first :class:`~kvblocks.vllm._state.Reason`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvblocks.vllm._state import Reason
 from kvblocks.vllm.block_hasher import ALGORITHMS
+
+#: vLLM's spec classes kvblocks implements, by exact type, with the engine's kind for each.
+SPEC_KINDS = {
+    "FullAttentionSpec": "full",
+    "MLAAttentionSpec": "full",
+    "SlidingWindowSpec": "sliding_window",
+    "SlidingWindowMLASpec": "sliding_window",
+    "ChunkedLocalAttentionSpec": "chunked_local",
+}
+#: vLLM's single-type manager class for each kind (what vLLM's registry must pick).
+KIND_MANAGERS = {
+    "full": "FullAttentionManager",
+    "sliding_window": "SlidingWindowManager",
+    "chunked_local": "ChunkedLocalAttentionManager",
+}
+#: The speculative-decoding methods kvblocks runs (what its manager sees of them: the
+#: EAGLE block drop, lookahead slots and hashing).
+SPECULATIVE_METHODS = frozenset({"ngram", "suffix", "eagle", "eagle3", "mtp"})
+#: The keyword arguments vLLM 0.33's scheduler passes to ``KVCacheManager``.
+MANAGER_ARGUMENTS = frozenset(
+    {
+        "kv_cache_config",
+        "max_model_len",
+        "scheduler_block_size",
+        "hash_block_size",
+        "max_in_flight_tokens",
+        "enable_caching",
+        "use_eagle",
+        "num_hash_lookahead_tokens",
+        "num_prefill_lookahead",
+        "log_stats",
+        "enable_kv_cache_events",
+        "dcp_world_size",
+        "pcp_world_size",
+        "metrics_collector",
+        "watermark",
+        "enable_mamba_shared_prefix_checkpoint",
+    }
+)
 
 
 class Unsupported(ValueError):
-    """kvblocks' ``KVCacheManager`` refused its arguments; ``reason`` is the short name."""
+    """kvblocks' ``KVCacheManager`` refused its arguments; ``reason`` says why."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"kvblocks' KVCacheManager does not support {reason}")
+    def __init__(self, reason: Reason) -> None:
+        super().__init__(f"kvblocks' KVCacheManager does not support {reason.text}")
         self.reason = reason
 
 
-def unsupported_manager_arguments(
-    kv_cache_config: Any,
-    *,
-    scheduler_block_size: int,
-    hash_block_size: int | None,
-    use_eagle: bool,
-    num_hash_lookahead_tokens: int,
-    num_prefill_lookahead: int,
-    dcp_world_size: int,
-    pcp_world_size: int,
-    metrics_collector: Any,
-) -> str | None:
-    """What the arguments of ``KVCacheManager(...)`` show."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupRole
+def spec_kind(spec: Any, role: Any) -> str | None:
+    """The engine's kind for a group's spec, or ``None`` when kvblocks does not implement
+    it: the spec type must be allowed exactly and vLLM's registry must manage it with the
+    kind's manager (so a spec registered elsewhere, or a role manager, is refused)."""
+    from vllm.v1 import kv_cache_interface
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return "kv_cache_groups"
-    group = groups[0]
-    spec = group.kv_cache_spec
-    if type(spec) is not FullAttentionSpec:
-        return "kv_cache_spec"
-    if group.is_eagle_group or group.host_resident or group.role != KVCacheGroupRole.DEFAULT:
-        return "kv_cache_group_role"
-    if hash_block_size is None:
-        hash_block_size = scheduler_block_size
-    if not hash_block_size == scheduler_block_size == spec.block_size:
-        return "hash_block_size"
-    if use_eagle or num_hash_lookahead_tokens or num_prefill_lookahead:
-        return "speculative"
-    if dcp_world_size != 1 or pcp_world_size != 1:
-        return "context_parallel"
-    if metrics_collector is not None:
-        return "metrics_collector"
-    if kv_cache_config.has_mamba_layers or kv_cache_config.needs_kv_cache_zeroing:
-        return "zeroing"
-    if kv_cache_config.prefix_cache_retention_interval:
-        return "retention"
-    if kv_cache_config.hisparse_host_num_blocks is not None:
-        return "kv_cache_group_role"
+    name = type(spec).__name__
+    kind = SPEC_KINDS.get(name)
+    if kind is None or type(spec) is not getattr(kv_cache_interface, name, None):
+        return None
+    manager = KVCacheSpecRegistry.get_manager_class(spec, role)
+    if manager is None or manager.__name__ != KIND_MANAGERS[kind]:
+        return None
+    return kind
+
+
+def unsupported_manager_arguments(kwargs: dict[str, Any]) -> Reason | None:
+    """What the arguments of ``KVCacheManager(**kwargs)`` show."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupRole
+
+    if not MANAGER_ARGUMENTS.issuperset(kwargs):
+        return Reason.MANAGER_ARGUMENT
+    config = kwargs["kv_cache_config"]
+    scheduler_block_size = kwargs["scheduler_block_size"]
+    hash_block_size = kwargs.get("hash_block_size") or scheduler_block_size
+    use_eagle = kwargs.get("use_eagle", False)
+    groups = config.kv_cache_groups
+    if not groups:
+        return Reason.KV_CACHE_GROUPS
+    for group in groups:
+        if group.host_resident or group.role != KVCacheGroupRole.DEFAULT:
+            return Reason.KV_CACHE_GROUP_ROLE
+        spec = group.kv_cache_spec
+        kind = spec_kind(spec, group.role)
+        if kind is None or not spec.prefix_cacheable or spec.prefix_replay_tokens:
+            return Reason.KV_CACHE_SPEC
+        if not spec.block_size == hash_block_size == scheduler_block_size:
+            return Reason.HASH_BLOCK_SIZE
+    if kwargs.get("dcp_world_size", 1) != 1 or kwargs.get("pcp_world_size", 1) != 1:
+        return Reason.CONTEXT_PARALLEL
+    if kwargs.get("metrics_collector") is not None:
+        return Reason.METRICS_COLLECTOR
+    if config.has_mamba_layers or config.needs_kv_cache_zeroing:
+        return Reason.ZEROING
+    retention = config.prefix_cache_retention_interval
+    if retention is not None and _vllm_rejects_retention(retention, scheduler_block_size, groups):
+        return Reason.VLLM_REJECTS
+    if config.hisparse_host_num_blocks is not None:
+        return Reason.KV_CACHE_GROUP_ROLE
+    caching = kwargs.get("enable_caching", True)
+    eagle_groups = any(g.is_eagle_group for g in groups) or use_eagle
+    if caching and eagle_groups and scheduler_block_size < kwargs.get("num_prefill_lookahead", 0):
+        return Reason.VLLM_REJECTS
+    if use_eagle and any(spec_kind(g.kv_cache_spec, g.role) == "chunked_local" for g in groups):
+        # vLLM's chunked-local hit search refuses the EAGLE drop (it asserts).
+        return Reason.KV_CACHE_SPEC
+    if kwargs.get("watermark", 0.0) < 0.0:
+        return Reason.VLLM_REJECTS
     return None
+
+
+def _vllm_rejects_retention(retention: int, block_size: int, groups: Any) -> bool:
+    """vLLM's coordinator refuses a retention interval that cannot apply: one set without a
+    sliding-window group, or one that is negative or not a multiple of the block size."""
+    sliding = any(spec_kind(g.kv_cache_spec, g.role) == "sliding_window" for g in groups)
+    if not sliding:
+        return retention != 0
+    return retention < 0 or retention % block_size != 0
 
 
 def unsupported_config(
     vllm_config: Any, *, allowed_scheduler_cls: tuple[Any, ...] = ()
-) -> str | None:
+) -> Reason | None:
     """What the engine's ``VllmConfig`` shows (the manager's arguments do not carry it)."""
     if vllm_config.kv_transfer_config is not None:
-        return "kv_connector"
+        return Reason.KV_CONNECTOR
     if vllm_config.ec_transfer_config is not None:
-        return "ec_connector"
+        return Reason.EC_CONNECTOR
     if vllm_config.aux_output_config.enabled:
-        return "aux_output"
-    if vllm_config.speculative_config is not None:
-        return "speculative"
+        return Reason.AUX_OUTPUT
+    speculative = vllm_config.speculative_config
+    if speculative is not None and getattr(speculative, "method", None) not in SPECULATIVE_METHODS:
+        return Reason.SPECULATIVE
     parallel = vllm_config.parallel_config
     if parallel.decode_context_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
-        return "context_parallel"
+        return Reason.CONTEXT_PARALLEL
     if vllm_config.observability_config.kv_cache_metrics:
-        return "metrics_collector"
+        return Reason.METRICS_COLLECTOR
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching and cache.prefix_caching_hash_algo not in ALGORITHMS:
-        return "hash_algo"
+        return Reason.HASH_ALGO
     if cache.prefix_match_unit not in (None, cache.block_size):
-        return "hash_block_size"
+        return Reason.HASH_BLOCK_SIZE
     if getattr(vllm_config.attention_config, "hisparse_config", None) is not None:
-        return "kv_cache_group_role"
+        return Reason.KV_CACHE_GROUP_ROLE
     model = vllm_config.model_config
     if model is not None and model.is_encoder_decoder:
-        return "encoder_decoder"
+        return Reason.ENCODER_DECODER
     scheduler_cls = vllm_config.scheduler_config.scheduler_cls
     if scheduler_cls is not None and not _is_allowed(scheduler_cls, allowed_scheduler_cls):
-        return "scheduler_cls"
+        return Reason.SCHEDULER_CLS
     return None
 
 

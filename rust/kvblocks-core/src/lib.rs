@@ -8,7 +8,7 @@
 mod error;
 mod free_queue;
 pub mod hashing;
-pub mod kv_cache_manager;
+pub mod kv_cache;
 mod manager;
 pub mod pool;
 mod requests;
@@ -21,7 +21,10 @@ pub use hashing::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable, MmFeature,
     RequestKeys, DEFAULT_SEED, HASH_ALGORITHMS,
 };
-pub use kv_cache_manager::{AllocateArgs, HashSource, KvCacheConfig, KvCacheManager, ManagerEvent};
+pub use kv_cache::{
+    AllocateArgs, AttentionKind, CacheHit, EngineConfig, GroupBlocks, GroupSpec, HashSource,
+    KvCacheEngine, KvCacheManager, ManagerEvent, RequestBlocks, RequestState,
+};
 pub use manager::{
     BlockManager, ManagerConfig, PlannedStep, StepBuffers, StepInput, StepOutput, StepResult,
     StepSizes,

@@ -1,5 +1,6 @@
 //! The block pool: reference counts, the free queue in eviction order, the hash-to-block map
-//! and KV-cache events, with vLLM 0.33's `BlockPool` rules (one KV-cache group).
+//! and KV-cache events, with vLLM 0.33's `BlockPool` rules. One pool serves every KV-cache
+//! group of a model: a cache key is a block hash and the group it was computed for.
 
 use crate::free_queue::FreeQueue;
 use crate::hashing::BlockHash;
@@ -29,7 +30,21 @@ impl Hasher for DigestHasher {
     }
 }
 
-pub type DigestMap<V> = HashMap<BlockHash, V, BuildHasherDefault<DigestHasher>>;
+/// A prefix-cache key: a block's hash and its KV-cache group (vLLM's `BlockHashWithGroupId`;
+/// the same tokens cached for two groups are two entries).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CacheKey {
+    pub hash: BlockHash,
+    pub group: u32,
+}
+
+impl CacheKey {
+    pub fn new(hash: BlockHash, group: u32) -> Self {
+        Self { hash, group }
+    }
+}
+
+pub type DigestMap<K, V> = HashMap<K, V, BuildHasherDefault<DigestHasher>>;
 
 /// One untagged extra key as vLLM reports it in `BlockStored.extra_keys`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,11 +68,26 @@ pub struct BlockStored {
     pub extra_keys: Vec<Option<Vec<EventKey>>>,
 }
 
-/// vLLM's KV-cache events for one group (`group_idx` 0, medium "GPU").
+/// Blocks `first..end` of one group of a request were just registered in the cache (the
+/// caller, who owns the request's tokens and keys, builds vLLM's `BlockStored` from it).
+/// `skipped` lists the indices in that range left out: null blocks (outside a sliding
+/// window) and blocks no cache hit could ever use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registered {
+    pub group: u32,
+    pub first: usize,
+    pub end: usize,
+    pub skipped: Vec<usize>,
+}
+
+/// vLLM's KV-cache events (medium "GPU"), in the order the pool produced them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
+    /// A `BlockStored` built in full by the embedded block manager (group 0).
     BlockStored(BlockStored),
-    BlockRemoved(BlockHash),
+    /// Blocks registered for a request; see [`Registered`].
+    Registered(Registered),
+    BlockRemoved(CacheKey),
     AllBlocksCleared,
 }
 
@@ -65,12 +95,12 @@ pub enum KvEvent {
 pub struct BlockPool {
     ref_cnt: Vec<u32>,
     /// The cache key a block is registered under, if any.
-    key: Vec<Option<BlockHash>>,
+    key: Vec<Option<CacheKey>>,
     /// The prefix length the key of a block covers (vLLM's `block_hash_num_tokens`).
     key_tokens: Vec<u32>,
     queue: FreeQueue,
     /// Key -> blocks registered under it, earliest first (no deduplication, as vLLM).
-    cached: DigestMap<Vec<u32>>,
+    cached: DigestMap<CacheKey, Vec<u32>>,
     enable_caching: bool,
     events: Option<Vec<KvEvent>>,
     /// While `Some`, the blocks whose cache entry was evicted (a batched step's record).
@@ -115,7 +145,7 @@ impl BlockPool {
         self.ref_cnt.get(block as usize).copied().unwrap_or(0)
     }
 
-    pub fn key(&self, block: u32) -> Option<&BlockHash> {
+    pub fn key(&self, block: u32) -> Option<&CacheKey> {
         self.key.get(block as usize).and_then(Option::as_ref)
     }
 
@@ -131,12 +161,12 @@ impl BlockPool {
         self.queue.iter()
     }
 
-    pub fn cached_blocks(&self) -> &DigestMap<Vec<u32>> {
+    pub fn cached_blocks(&self) -> &DigestMap<CacheKey, Vec<u32>> {
         &self.cached
     }
 
     /// The blocks registered under `key`, earliest first.
-    pub fn lookup(&self, key: &BlockHash) -> &[u32] {
+    pub fn lookup(&self, key: &CacheKey) -> &[u32] {
         self.cached.get(key).map_or(&[], Vec::as_slice)
     }
 
@@ -150,8 +180,8 @@ impl BlockPool {
         self.events.is_some()
     }
 
-    pub fn push_stored(&mut self, stored: BlockStored) {
-        self.emit(KvEvent::BlockStored(stored));
+    pub fn push_event(&mut self, event: KvEvent) {
+        self.emit(event);
     }
 
     /// Starts recording evicted blocks (see [`BlockPool::stop_recording_evictions`]).
@@ -250,7 +280,7 @@ impl BlockPool {
 
     /// Registers `block` under `key`, which covers a prefix of `num_tokens` tokens (a block
     /// already holding a key keeps it).
-    pub fn cache_block(&mut self, block: u32, key: BlockHash, num_tokens: usize) {
+    pub fn cache_block(&mut self, block: u32, key: CacheKey, num_tokens: usize) {
         let Some(slot) = self.key.get_mut(block as usize) else { return };
         if slot.is_some() || block == NULL_BLOCK {
             return;

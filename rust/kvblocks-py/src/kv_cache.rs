@@ -1,4 +1,5 @@
-//! `kvblocks._core.KVCacheCore`: the Rust half of `kvblocks.vllm.KVCacheManager`.
+//! `kvblocks._core.KVCacheCore`: the Rust half of `kvblocks.vllm.KVCacheManager`, and the
+//! small classes it takes and returns (`KVCacheGroup`, `KVCacheBlockIds`).
 //!
 //! Called once per vLLM manager call, with the request's own state as arguments; the block
 //! hashes are read from the request's `list[bytes]` in place, only where the call needs them.
@@ -7,8 +8,8 @@ use crate::errors::GlueResult;
 use crate::hasher::hash_bytes;
 use crate::sync::{lock, lock_attached};
 use kvblocks_core::{
-    AllocateArgs, BlockHash, CoreError, CoreResult, HashSource, KvCacheConfig, KvCacheManager,
-    ManagerEvent,
+    AllocateArgs, AttentionKind, BlockHash, CacheHit, CoreError, CoreResult, EngineConfig,
+    GroupSpec, HashSource, KvCacheManager, ManagerEvent, RequestState,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -16,58 +17,119 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard};
 
-#[pyclass(frozen, module = "kvblocks._core", name = "KVCacheCore")]
-pub struct PyKvCacheCore {
-    inner: Mutex<KvCacheManager>,
-    /// The shared "no blocks" result, returned by identity as vLLM's manager does.
-    empty: Py<PyKvCacheBlockIds>,
-    /// The request statuses the watermark applies to (vLLM's WAITING and PREEMPTED).
-    admitted_statuses: Vec<Py<PyAny>>,
+/// One KV-cache group: the attention kind whose rules manage its blocks.
+#[pyclass(frozen, from_py_object, module = "kvblocks._core", name = "KVCacheGroup")]
+#[derive(Clone)]
+pub struct PyKvCacheGroup {
+    spec: GroupSpec,
 }
 
-/// What vLLM's scheduler gets where vLLM's manager returns `KVCacheBlocks`: the block ids
-/// of the one group, which is all the scheduler reads (`get_block_ids`).
+#[pymethods]
+impl PyKvCacheGroup {
+    #[new]
+    #[pyo3(signature = (
+        kind, block_size, *, sliding_window = None, extra_retained_tokens = 0,
+        attention_chunk_size = None, max_admission_blocks = None, is_eagle_group = false
+    ))]
+    fn new(
+        kind: &str,
+        block_size: usize,
+        sliding_window: Option<usize>,
+        extra_retained_tokens: usize,
+        attention_chunk_size: Option<usize>,
+        max_admission_blocks: Option<usize>,
+        is_eagle_group: bool,
+    ) -> PyResult<Self> {
+        let kind = match (kind, sliding_window, attention_chunk_size) {
+            ("full", None, None) => AttentionKind::Full,
+            ("sliding_window", Some(window), None) => {
+                AttentionKind::SlidingWindow { window, extra_retained: extra_retained_tokens }
+            }
+            ("chunked_local", None, Some(chunk)) => AttentionKind::ChunkedLocal { chunk },
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "kind {kind:?} with sliding_window={sliding_window:?} and \
+                     attention_chunk_size={attention_chunk_size:?}: expected \"full\" (neither), \
+                     \"sliding_window\" (sliding_window) or \"chunked_local\" \
+                     (attention_chunk_size)"
+                )))
+            }
+        };
+        Ok(Self { spec: GroupSpec { kind, block_size, max_admission_blocks, is_eagle_group } })
+    }
+
+    #[getter]
+    fn kind(&self) -> &'static str {
+        match self.spec.kind {
+            AttentionKind::Full => "full",
+            AttentionKind::SlidingWindow { .. } => "sliding_window",
+            AttentionKind::ChunkedLocal { .. } => "chunked_local",
+        }
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.spec.block_size
+    }
+
+    fn __repr__(&self) -> String {
+        format!("KVCacheGroup({:?}, block_size={})", self.spec.kind, self.spec.block_size)
+    }
+}
+
+/// What vLLM's scheduler gets where vLLM's manager returns `KVCacheBlocks`: the block ids of
+/// each group, which is what the scheduler reads (`get_block_ids`).
 #[pyclass(frozen, module = "kvblocks._core", name = "KVCacheBlockIds")]
 pub struct PyKvCacheBlockIds {
-    ids: Vec<u32>,
+    groups: Vec<Vec<u32>>,
 }
 
 #[pymethods]
 impl PyKvCacheBlockIds {
     #[new]
     #[pyo3(signature = (block_ids, /))]
-    fn new(block_ids: Vec<u32>) -> Self {
-        Self { ids: block_ids }
+    fn new(block_ids: Vec<Vec<u32>>) -> Self {
+        Self { groups: block_ids }
     }
 
-    /// A fresh list of the block ids.
-    #[getter(block_ids)]
-    fn ids_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, &self.ids)
-    }
-
-    /// vLLM's `KVCacheBlocks.get_block_ids`: `([ids],)`, or `None` when empty and
-    /// `allow_none`.
+    /// vLLM's `KVCacheBlocks.get_block_ids`: one list of ids per group (of the groups in
+    /// `group_ids`, all by default), or `None` when all are empty and `allow_none`.
     #[pyo3(signature = (allow_none = false, *, group_ids = None))]
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
         allow_none: bool,
-        group_ids: Option<&Bound<'py, PyAny>>,
+        group_ids: Option<Vec<usize>>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let _ = group_ids; // one group: every selection is that group
-        if allow_none && self.ids.is_empty() {
+        let selected: Vec<&Vec<u32>> = match &group_ids {
+            None => self.groups.iter().collect(),
+            Some(ids) => ids
+                .iter()
+                .map(|&g| {
+                    self.groups.get(g).ok_or_else(|| {
+                        PyValueError::new_err(format!(
+                            "group {g} out of range ({} groups)",
+                            self.groups.len()
+                        ))
+                    })
+                })
+                .collect::<PyResult<_>>()?,
+        };
+        if allow_none && selected.iter().all(|g| g.is_empty()) {
             return Ok(None);
         }
-        Ok(Some(PyTuple::new(py, [PyList::new(py, &self.ids)?])?))
+        let lists =
+            selected.into_iter().map(|g| PyList::new(py, g)).collect::<PyResult<Vec<_>>>()?;
+        Ok(Some(PyTuple::new(py, lists)?))
     }
 
+    /// The number of groups.
     fn __len__(&self) -> usize {
-        self.ids.len()
+        self.groups.len()
     }
 
     fn __repr__(&self) -> String {
-        format!("KVCacheBlockIds({:?})", self.ids)
+        format!("KVCacheBlockIds({:?})", self.groups)
     }
 }
 
@@ -100,18 +162,59 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
 }
 
+#[pyclass(frozen, module = "kvblocks._core", name = "KVCacheCore")]
+pub struct PyKvCacheCore {
+    inner: Mutex<KvCacheManager>,
+    /// The shared "no blocks" result, returned by identity as vLLM's manager does.
+    empty: Py<PyKvCacheBlockIds>,
+    /// The request statuses the watermark applies to (vLLM's WAITING and PREEMPTED).
+    waiting_statuses: Vec<Py<PyAny>>,
+}
+
 impl PyKvCacheCore {
-    /// Block ids as a result object: the shared empty one when there are none.
-    fn blocks(&self, py: Python<'_>, ids: Vec<u32>) -> PyResult<Py<PyKvCacheBlockIds>> {
-        if ids.is_empty() {
+    /// Block ids as a result object: the shared empty one when no group has any.
+    fn blocks(&self, py: Python<'_>, groups: Vec<Vec<u32>>) -> PyResult<Py<PyKvCacheBlockIds>> {
+        if groups.iter().all(Vec::is_empty) {
             Ok(self.empty.clone_ref(py))
         } else {
-            Py::new(py, PyKvCacheBlockIds { ids })
+            Py::new(py, PyKvCacheBlockIds { groups })
         }
+    }
+
+    /// The fields of vLLM's `Request` the engine reads.
+    fn request_state(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<RequestState> {
+        let status = request.getattr(intern!(py, "status"))?;
+        let field =
+            |name: &Bound<'_, PyString>| -> PyResult<usize> { request.getattr(name)?.extract() };
+        Ok(RequestState {
+            num_tokens: field(intern!(py, "num_tokens"))?,
+            num_computed_tokens: field(intern!(py, "num_computed_tokens"))?,
+            num_prompt_tokens: field(intern!(py, "num_prompt_tokens"))?,
+            num_in_flight_tokens: field(intern!(py, "num_in_flight_tokens"))?,
+            shared_prefix_boundary: field(intern!(py, "shared_prefix_boundary"))?,
+            is_waiting: self.waiting_statuses.iter().any(|s| status.is(s.bind(py))),
+        })
     }
 
     fn lock(&self) -> PyResult<MutexGuard<'_, KvCacheManager>> {
         lock(&self.inner)
+    }
+
+    /// The hits vLLM hands back to `allocate_slots`: what `lookup` returned.
+    fn hits_arg(&self, py: Python<'_>, blocks: Option<&Bound<'_, PyAny>>) -> PyResult<CacheHit> {
+        let num_groups = self.empty.get().groups.len();
+        match blocks {
+            Some(blocks) if !blocks.is(self.empty.bind(py)) && !blocks.is_none() => {
+                let ids = blocks.cast::<PyKvCacheBlockIds>().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "new_computed_blocks must come from get_computed_blocks, got {}",
+                        type_name(blocks)
+                    ))
+                })?;
+                Ok(CacheHit { blocks: ids.get().groups.clone(), ..CacheHit::default() })
+            }
+            _ => Ok(CacheHit::empty(num_groups)),
+        }
     }
 }
 
@@ -119,32 +222,42 @@ impl PyKvCacheCore {
 impl PyKvCacheCore {
     #[new]
     #[pyo3(signature = (
-        num_blocks, block_size, /, *, max_model_len, enable_caching = true,
-        enable_events = false, watermark_blocks = 0, admitted_statuses = Vec::new()
+        num_blocks, groups, *, lookup_sets, max_model_len, enable_caching = true,
+        enable_events = false, watermark_blocks = 0, use_eagle = false,
+        num_prefill_lookahead = 0, retention_interval = None, waiting_statuses = Vec::new()
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: u32,
-        block_size: usize,
+        groups: Vec<PyKvCacheGroup>,
+        lookup_sets: Vec<Vec<usize>>,
         max_model_len: usize,
         enable_caching: bool,
         enable_events: bool,
         watermark_blocks: usize,
-        admitted_statuses: Vec<Py<PyAny>>,
+        use_eagle: bool,
+        num_prefill_lookahead: usize,
+        retention_interval: Option<usize>,
+        waiting_statuses: Vec<Py<PyAny>>,
     ) -> GlueResult<Self> {
-        let config = KvCacheConfig {
+        let num_groups = groups.len();
+        let config = EngineConfig {
             num_blocks,
-            block_size,
+            groups: groups.into_iter().map(|g| g.spec).collect(),
+            lookup_sets,
             max_model_len,
             enable_caching,
             enable_events,
             watermark_blocks,
+            use_eagle,
+            num_prefill_lookahead,
+            retention_interval,
         };
         Ok(Self {
             inner: Mutex::new(KvCacheManager::new(config)?),
-            empty: Py::new(py, PyKvCacheBlockIds { ids: Vec::new() })?,
-            admitted_statuses,
+            empty: Py::new(py, PyKvCacheBlockIds { groups: vec![Vec::new(); num_groups] })?,
+            waiting_statuses,
         })
     }
 
@@ -160,8 +273,8 @@ impl PyKvCacheCore {
     }
 
     #[getter]
-    fn block_size(&self) -> PyResult<usize> {
-        Ok(self.lock()?.config().block_size)
+    fn num_groups(&self) -> usize {
+        self.empty.get().groups.len()
     }
 
     #[getter]
@@ -178,17 +291,18 @@ impl PyKvCacheCore {
         Ok(self.lock()?.num_requests())
     }
 
-    /// The cached blocks of the leading hashes (at most `max_blocks`), stopping at a miss
-    /// (the shared empty result when the first one misses).
-    #[pyo3(signature = (block_hashes, max_blocks, /))]
-    fn lookup(
+    /// vLLM's `find_longest_cache_hit`: `(blocks, num_tokens, num_uncached_common_tokens)`,
+    /// the cached prefix (at most `max_length` tokens) every group can serve (the shared
+    /// empty result when there is none).
+    #[pyo3(signature = (block_hashes, max_length, /))]
+    fn lookup<'py>(
         &self,
-        py: Python<'_>,
-        block_hashes: &Bound<'_, PyAny>,
-        max_blocks: usize,
-    ) -> GlueResult<Py<PyKvCacheBlockIds>> {
-        let hits = self.lock()?.lookup(&hashes_arg(block_hashes)?, max_blocks)?;
-        Ok(self.blocks(py, hits)?)
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        max_length: usize,
+    ) -> GlueResult<(Py<PyKvCacheBlockIds>, usize, usize)> {
+        let hit = self.lock()?.lookup(&hashes_arg(block_hashes)?, max_length)?;
+        Ok((self.blocks(py, hit.blocks)?, hit.num_tokens, hit.num_uncached_common))
     }
 
     /// vLLM's `KVCacheManager.allocate_slots`, called by vLLM's scheduler directly: reads
@@ -226,52 +340,50 @@ impl PyKvCacheCore {
             )
             .into());
         }
-        let hit_ids = match new_computed_blocks {
-            Some(blocks) if !blocks.is(self.empty.bind(py)) && !blocks.is_none() => {
-                Some(blocks.cast::<PyKvCacheBlockIds>().map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "new_computed_blocks must come from get_computed_blocks, got {}",
-                        type_name(blocks)
-                    ))
-                })?)
-            }
-            _ => None,
-        };
-        let hits = hit_ids.map_or(&[][..], |blocks| blocks.get().ids.as_slice());
+        let hits = self.hits_arg(py, new_computed_blocks)?;
         let request_id = request.getattr(intern!(py, "request_id"))?;
         let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
-        let apply_watermark = has_scheduled_reqs && {
-            let status = request.getattr(intern!(py, "status"))?;
-            self.admitted_statuses.iter().any(|s| status.is(s.bind(py)))
-        };
+        let state = self.request_state(py, request)?;
         let args = AllocateArgs {
-            num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
-            num_computed_tokens: request.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
             num_new_tokens,
             num_new_computed_tokens,
             num_lookahead_tokens,
             reserved_blocks,
             full_sequence_must_fit,
             delay_cache_blocks,
-            apply_watermark,
+            has_scheduled_reqs,
+            extra_blocks: 0,
         };
         let hashes = hashes_arg(&block_hashes)?;
-        let new =
-            lock_attached(py, &self.inner)?.allocate_slots(request_id, &args, hits, &hashes)?;
+        let mut manager = lock_attached(py, &self.inner)?;
+        let new = manager.allocate_slots(request_id, &state, &args, &hits, &hashes)?;
+        drop(manager);
         Ok(new.map(|ids| self.blocks(py, ids)).transpose()?)
     }
 
-    /// vLLM's `cache_blocks`: registers the full blocks up to `num_tokens` tokens.
-    #[pyo3(signature = (request_id, block_hashes, num_tokens, /))]
-    fn cache_blocks(
+    /// vLLM's `cache_blocks`: registers the request's full blocks up to `num_tokens` tokens.
+    #[pyo3(signature = (request, num_tokens, /))]
+    fn cache_blocks<'py>(
         &self,
-        request_id: &str,
-        block_hashes: &Bound<'_, PyAny>,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
         num_tokens: usize,
     ) -> GlueResult<()> {
-        let hashes = hashes_arg(block_hashes)?;
-        Ok(self.lock()?.cache_blocks(request_id, num_tokens, &hashes)?)
+        let request_id = request.getattr(intern!(py, "request_id"))?;
+        let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
+        let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
+        let state = self.request_state(py, request)?;
+        let hashes = hashes_arg(&block_hashes)?;
+        Ok(self.lock()?.cache_blocks(request_id, &state, num_tokens, &hashes)?)
+    }
+
+    /// vLLM's `remove_skipped_blocks`: frees the blocks no later token reads once
+    /// `num_processed` tokens are done (a no-op for an unknown id).
+    #[pyo3(signature = (request_id, num_processed, /))]
+    fn remove_skipped_blocks(&self, request_id: &str, num_processed: usize) -> PyResult<()> {
+        self.lock()?.remove_skipped_blocks(request_id, num_processed);
+        Ok(())
     }
 
     /// Releases the request's blocks (a no-op for an unknown id).
@@ -281,20 +393,33 @@ impl PyKvCacheCore {
         Ok(())
     }
 
+    /// The request's block ids, one list per group (empty lists for an unknown id).
     #[pyo3(signature = (request_id, /))]
     fn get_block_ids<'py>(
         &self,
         py: Python<'py>,
         request_id: &str,
-    ) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.lock()?.block_ids(request_id))
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let manager = self.lock()?;
+        let lists = match manager.block_ids(request_id) {
+            Some(held) => held
+                .groups
+                .iter()
+                .map(|g| PyList::new(py, &g.blocks))
+                .collect::<PyResult<Vec<_>>>()?,
+            None => (0..self.num_groups()).map(|_| PyList::empty(py)).collect(),
+        };
+        PyTuple::new(py, lists)
     }
 
-    /// vLLM's `get_blocks`: the request's whole block table (a copy).
+    /// vLLM's `get_blocks`: the request's whole block tables (a copy).
     #[pyo3(signature = (request_id, /))]
     fn get_blocks(&self, py: Python<'_>, request_id: &str) -> PyResult<Py<PyKvCacheBlockIds>> {
-        let ids = self.lock()?.block_ids(request_id).to_vec();
-        self.blocks(py, ids)
+        let groups = match self.lock()?.block_ids(request_id) {
+            Some(held) => held.groups.iter().map(|g| g.blocks.clone()).collect(),
+            None => Vec::new(),
+        };
+        self.blocks(py, groups)
     }
 
     #[pyo3(signature = (request_id, /))]
@@ -306,26 +431,21 @@ impl PyKvCacheCore {
         Ok(self.lock()?.reset_prefix_cache())
     }
 
-    /// The events since the last call, oldest first: `("removed", hash)`,
-    /// `("stored", request_id, first_block, end_block)` or `("cleared",)`.
+    /// The events since the last call, oldest first: `("removed", hash, group)`,
+    /// `("stored", request_id, group, first_block, end_block, skipped_blocks)` or
+    /// `("cleared",)`.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = self.lock()?.take_events();
         let out = PyList::empty(py);
         for event in events {
             let item = match event {
-                ManagerEvent::Removed(hash) => PyTuple::new(
-                    py,
-                    [("removed").into_pyobject(py)?.into_any(), hash_bytes(py, &hash).into_any()],
-                )?,
-                ManagerEvent::Stored { request_id, first, end } => PyTuple::new(
-                    py,
-                    [
-                        "stored".into_pyobject(py)?.into_any(),
-                        request_id.into_pyobject(py)?.into_any(),
-                        first.into_pyobject(py)?.into_any(),
-                        end.into_pyobject(py)?.into_any(),
-                    ],
-                )?,
+                ManagerEvent::Removed { hash, group } => {
+                    ("removed", hash_bytes(py, &hash), group).into_pyobject(py)?
+                }
+                ManagerEvent::Stored { request_id, group, first, end, skipped } => {
+                    let skipped = PyTuple::new(py, skipped)?;
+                    ("stored", request_id, group, first, end, skipped).into_pyobject(py)?
+                }
                 ManagerEvent::AllBlocksCleared => PyTuple::new(py, ["cleared"])?,
             };
             out.append(item)?;
@@ -336,9 +456,9 @@ impl PyKvCacheCore {
     fn __repr__(&self) -> PyResult<String> {
         let m = self.lock()?;
         Ok(format!(
-            "KVCacheCore(num_blocks={}, block_size={}, requests={}, free={})",
+            "KVCacheCore(num_blocks={}, groups={}, requests={}, free={})",
             m.pool().num_blocks(),
-            m.config().block_size,
+            m.config().groups.len(),
             m.num_requests(),
             m.num_free_blocks()
         ))

@@ -1,7 +1,7 @@
 //! `kvblocks.BlockManager`.
 
 use crate::args::{int_arg, size_arg, str_arg};
-use crate::errors::GlueResult;
+use crate::errors::{GlueResult, KvBlocksError};
 use crate::hasher::{env_seed, hash_bytes, hash_list, PyBlockHasher};
 use crate::ints::extract_i64s;
 use crate::keys::request_keys;
@@ -122,12 +122,15 @@ impl PyBlockManager {
                     .import(py, "kvblocks.kv_events", "BlockStored")?
                     .call((), Some(&kwargs))
             }
-            KvEvent::BlockRemoved(hash) => {
-                let hashes = PyList::new(py, [self.external(py, hash)?])?;
+            KvEvent::BlockRemoved(key) => {
+                let hashes = PyList::new(py, [self.external(py, &key.hash)?])?;
                 BLOCK_REMOVED.import(py, "kvblocks.kv_events", "BlockRemoved")?.call1((hashes,))
             }
             KvEvent::AllBlocksCleared => {
                 ALL_BLOCKS_CLEARED.import(py, "kvblocks.kv_events", "AllBlocksCleared")?.call0()
+            }
+            KvEvent::Registered(_) => {
+                Err(KvBlocksError::new_err("internal error: a registration without its event"))
             }
         }
     }
@@ -490,14 +493,14 @@ impl PyBlockManager {
         let keys = PyList::empty(py);
         for b in 0..n {
             match pool.key(b) {
-                Some(k) => keys.append(hash_bytes(py, k))?,
+                Some(k) => keys.append(hash_bytes(py, &k.hash))?,
                 None => keys.append(py.None())?,
             }
         }
         state.set_item("block_keys", keys)?;
         let cached = PyDict::new(py);
         for (key, blocks) in pool.cached_blocks() {
-            cached.set_item(hash_bytes(py, key), blocks.clone())?;
+            cached.set_item(hash_bytes(py, &key.hash), blocks.clone())?;
         }
         state.set_item("cached", cached)?;
         let tables = PyDict::new(py);

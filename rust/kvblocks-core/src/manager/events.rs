@@ -3,7 +3,7 @@
 
 use super::verify::{key_of, Provenance};
 use super::Request;
-use crate::pool::{BlockPool, BlockStored, EventKey};
+use crate::pool::{BlockPool, BlockStored, EventKey, KvEvent};
 use crate::{ExtraKey, TokenSequence};
 
 /// What registering a request's blocks touches, borrowed apart from the request table.
@@ -36,7 +36,7 @@ impl CacheContext<'_> {
             self.pool.cache_block(block, key_of(hash, self.debug_key_bytes), (index + 1) * b);
         }
         if self.pool.events_enabled() {
-            self.pool.push_stored(stored_event(&request.seq, done, full, b));
+            self.pool.push_event(KvEvent::BlockStored(stored_event(&request.seq, done, full, b)));
         }
         request.num_cached_blocks = full;
     }

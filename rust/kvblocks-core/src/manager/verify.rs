@@ -3,7 +3,7 @@
 
 use super::{invalid, BlockManager, Request};
 use crate::hashing::native;
-use crate::pool::NULL_BLOCK;
+use crate::pool::{CacheKey, NULL_BLOCK};
 use crate::{try_filled, BlockHash, CoreResult, ExtraKey, TokenSequence};
 
 /// The parent of a first block.
@@ -76,19 +76,20 @@ fn block_key_bytes(seq: &TokenSequence, index: usize, block_size: usize) -> Opti
     Some(out.into_boxed_slice())
 }
 
-/// The cache key of a block hash: the hash itself, or its first `n` bytes in debug mode.
-pub(super) fn key_of(hash: &BlockHash, debug_key_bytes: Option<usize>) -> BlockHash {
-    let Some(n) = debug_key_bytes else { return *hash };
+/// The cache key of a block hash (the manager's one group, 0): the hash itself, or its
+/// first `n` bytes in debug mode.
+pub(super) fn key_of(hash: &BlockHash, debug_key_bytes: Option<usize>) -> CacheKey {
+    let Some(n) = debug_key_bytes else { return CacheKey::new(*hash, 0) };
     let mut key = *hash;
     match &mut key {
         BlockHash::Sha256(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
         BlockHash::Xxh3(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
     }
-    key
+    CacheKey::new(key, 0)
 }
 
 impl BlockManager {
-    fn key_of(&self, hash: &BlockHash) -> BlockHash {
+    fn key_of(&self, hash: &BlockHash) -> CacheKey {
         key_of(hash, self.config.debug_key_bytes)
     }
 

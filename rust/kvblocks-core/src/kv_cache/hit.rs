@@ -1,0 +1,249 @@
+//! The prefix-cache hit search: for each attention kind, which cached blocks serve a
+//! request's prefix (vLLM's single-type managers' `find_longest_cache_hit`), and for several
+//! groups the longest prefix every group can serve (vLLM's unitary and hybrid coordinators).
+//!
+//! Every group shares one block size here, which is also the hash block size and the hit
+//! alignment, so block `i` of every group is keyed by the request's hash `i`.
+
+use super::spec::{AttentionKind, EngineConfig};
+use crate::hashing::BlockHash;
+use crate::pool::{BlockPool, CacheKey, NULL_BLOCK};
+
+/// The cached blocks a request can adopt, per group (null blocks where a group needs no
+/// block), and the number of tokens they cover.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheHit {
+    pub blocks: Vec<Vec<u32>>,
+    pub num_tokens: usize,
+    /// Tokens of a longer prefix that some group has cached and another has not (vLLM's
+    /// `num_uncached_common_prefix_tokens`; 0 unless hybrid).
+    pub num_uncached_common: usize,
+}
+
+impl CacheHit {
+    pub fn empty(num_groups: usize) -> Self {
+        Self { blocks: vec![Vec::new(); num_groups], ..Self::default() }
+    }
+
+    /// vLLM passes an empty result by identity and adopts nothing for it; a result with any
+    /// block (null ones included) is adopted.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.iter().all(Vec::is_empty)
+    }
+}
+
+/// The block cached under hash `i` for each group of `groups`, or `None` if any misses.
+fn cached(pool: &BlockPool, hash: &BlockHash, groups: &[usize]) -> Option<Vec<u32>> {
+    groups.iter().map(|&g| pool.lookup(&CacheKey::new(*hash, g as u32)).first().copied()).collect()
+}
+
+/// One lookup set's hit: per member group its blocks, and the hit length in tokens.
+struct SetHit {
+    blocks: Vec<Vec<u32>>,
+    num_tokens: usize,
+}
+
+/// vLLM's `find_longest_cache_hit` of a kind, for the groups of one lookup set, over a
+/// prefix of at most `max_length` tokens. `drop_eagle` drops the last matched block (EAGLE
+/// must recompute it to get its hidden states). `hashes` holds at least the first
+/// `min(len(block_hashes), max_length / block_size + 1)` of the request's hashes (enough for
+/// every limit below; vLLM would fail on an index past the request's hashes, here the
+/// search stops there).
+fn find_for_kind(
+    kind: AttentionKind,
+    pool: &BlockPool,
+    hashes: &[BlockHash],
+    max_length: usize,
+    groups: &[usize],
+    block_size: usize,
+    drop_eagle: bool,
+) -> SetHit {
+    let max_blocks = (max_length / block_size).min(hashes.len());
+    let searched = hashes.get(..max_blocks).unwrap_or_default();
+    let mut blocks = vec![Vec::new(); groups.len()];
+    let push = |blocks: &mut Vec<Vec<u32>>, found: Vec<u32>| {
+        blocks.iter_mut().zip(found).for_each(|(b, f)| b.push(f));
+    };
+    match kind {
+        AttentionKind::Full => {
+            // Chained hashes: the first miss ends the hit.
+            for hash in searched {
+                let Some(found) = cached(pool, hash, groups) else { break };
+                push(&mut blocks, found);
+            }
+        }
+        AttentionKind::SlidingWindow { window, .. } => {
+            // Only the blocks the last token's window reads must be cached: search from the
+            // right for enough contiguous hits; everything before them is null.
+            let needed = (window - 1).div_ceil(block_size) + usize::from(drop_eagle);
+            let mut run: Vec<Vec<u32>> = Vec::new();
+            let mut found = None;
+            for (i, hash) in searched.iter().enumerate().rev() {
+                match cached(pool, hash, groups) {
+                    Some(hit) => {
+                        run.push(hit);
+                        if run.len() >= needed {
+                            found = Some(i);
+                            break;
+                        }
+                    }
+                    None => run.clear(),
+                }
+            }
+            // Without a full window, the run that starts at block 0 is still a hit.
+            let start = found.unwrap_or(0);
+            blocks.iter_mut().for_each(|b| b.resize(start, NULL_BLOCK));
+            run.into_iter().rev().for_each(|hit| push(&mut blocks, hit));
+        }
+        AttentionKind::ChunkedLocal { chunk } => {
+            // Blocks of chunks before the last one are never read again: null, and computed
+            // (whether or not the request has hashes that far).
+            let first = max_length / chunk * chunk / block_size;
+            blocks.iter_mut().for_each(|b| b.resize(first, NULL_BLOCK));
+            for hash in searched.get(first..).unwrap_or_default() {
+                let Some(found) = cached(pool, hash, groups) else { break };
+                push(&mut blocks, found);
+            }
+        }
+    }
+    if drop_eagle {
+        blocks.iter_mut().for_each(|b| {
+            b.pop();
+        });
+    }
+    let num_tokens = blocks.first().map_or(0, Vec::len) * block_size;
+    SetHit { blocks, num_tokens }
+}
+
+/// Groups whose prefix hits are looked up together (vLLM's `SpecGroup`): equal specs, one
+/// kind; `drop_eagle` when any member drops its last hit block for EAGLE.
+#[derive(Debug, Clone)]
+pub(crate) struct LookupSet {
+    pub kind: AttentionKind,
+    pub groups: Vec<usize>,
+    pub drop_eagle: bool,
+}
+
+/// Which groups drop their last hit block for EAGLE (vLLM's `drop_eagle_group_ids`): the
+/// draft groups, or every group when EAGLE is on and no group is marked.
+pub(crate) fn eagle_drop_groups(config: &EngineConfig) -> Vec<bool> {
+    if !config.use_eagle {
+        return vec![false; config.groups.len()];
+    }
+    let marked: Vec<bool> = config.groups.iter().map(|g| g.is_eagle_group).collect();
+    if marked.iter().any(|&m| m) {
+        marked
+    } else {
+        vec![true; config.groups.len()]
+    }
+}
+
+/// The lookup sets in vLLM's order (a validated config names every group once).
+pub(crate) fn lookup_sets(config: &EngineConfig, drop: &[bool]) -> Vec<LookupSet> {
+    let sets = if config.groups.len() == 1 { vec![vec![0]] } else { config.lookup_sets.clone() };
+    sets.into_iter()
+        .filter_map(|groups| {
+            let kind = config.groups.get(*groups.first()?)?.kind;
+            let drop_eagle = groups.iter().any(|&g| drop.get(g).copied().unwrap_or(false));
+            Some(LookupSet { kind, groups, drop_eagle })
+        })
+        .collect()
+}
+
+/// The longest prefix of `hashes` (at most `max_length` tokens) every group can serve from
+/// the cache (vLLM's unitary and hybrid coordinators).
+pub(crate) fn find_longest_cache_hit(
+    sets: &[LookupSet],
+    num_groups: usize,
+    block_size: usize,
+    pool: &BlockPool,
+    hashes: &[BlockHash],
+    max_length: usize,
+) -> CacheHit {
+    match sets {
+        [only] if num_groups == 1 => {
+            let hit = find_for_kind(
+                only.kind,
+                pool,
+                hashes,
+                max_length,
+                &only.groups,
+                block_size,
+                only.drop_eagle,
+            );
+            CacheHit { blocks: hit.blocks, num_tokens: hit.num_tokens, num_uncached_common: 0 }
+        }
+        _ => hybrid_hit(sets, num_groups, block_size, pool, hashes, max_length),
+    }
+}
+
+/// vLLM's hybrid coordinator: every lookup set either accepts the candidate length or
+/// shortens it, and a shortening restarts the round, until the length holds for all.
+fn hybrid_hit(
+    sets: &[LookupSet],
+    num_groups: usize,
+    block_size: usize,
+    pool: &BlockPool,
+    hashes: &[BlockHash],
+    max_length: usize,
+) -> CacheHit {
+    // Per set: its last hit (blocks per member) and length, once looked up.
+    let mut hits: Vec<Option<SetHit>> = sets.iter().map(|_| None).collect();
+    let simple = sets.len() == 2 && sets.first().is_some_and(|s| s.kind.is_full());
+    let mut hit_length = max_length;
+    let mut longest = 0;
+    // Sets whose EAGLE drop was applied at the current candidate length (at most once each).
+    let mut eagle_verified = vec![false; sets.len()];
+    loop {
+        let mut current = hit_length;
+        for ((set, slot), index) in sets.iter().zip(&mut hits).zip(0..) {
+            if let (true, Some(earlier)) = (set.kind.is_full(), slot.as_ref()) {
+                // Full attention is downward-closed: trim the earlier hit, no new lookup.
+                current = current.min(earlier.num_tokens);
+                continue;
+            }
+            let drop_eagle = set.drop_eagle && !eagle_verified.get(index).copied().unwrap_or(true);
+            let limit = if drop_eagle {
+                (current + block_size).min(hashes.len() * block_size)
+            } else {
+                current
+            };
+            let hit =
+                find_for_kind(set.kind, pool, hashes, limit, &set.groups, block_size, drop_eagle);
+            if drop_eagle {
+                if let Some(v) = eagle_verified.get_mut(index) {
+                    *v = true;
+                }
+            } else if hit.num_tokens < current {
+                eagle_verified.iter_mut().for_each(|v| *v = false);
+            }
+            current = hit.num_tokens;
+            longest = longest.max(current);
+            *slot = Some(hit);
+        }
+        if current >= hit_length {
+            break;
+        }
+        hit_length = current;
+        if simple {
+            break;
+        }
+    }
+    let mut blocks = vec![Vec::new(); num_groups];
+    for (set, hit) in sets.iter().zip(hits) {
+        let Some(hit) = hit else { continue };
+        for (&g, mut group_blocks) in set.groups.iter().zip(hit.blocks) {
+            if set.kind.is_full() {
+                group_blocks.truncate(hit_length.div_ceil(block_size));
+            }
+            if let Some(slot) = blocks.get_mut(g) {
+                *slot = group_blocks;
+            }
+        }
+    }
+    CacheHit {
+        blocks,
+        num_tokens: hit_length,
+        num_uncached_common: longest.saturating_sub(hit_length),
+    }
+}

@@ -1,0 +1,181 @@
+//! vLLM 0.33's `KVCacheManager` on block hashes the caller owns: the engine under
+//! `kvblocks.vllm.KVCacheManager`.
+//!
+//! This manager keeps no tokens and no hashes: vLLM's `Request` owns them
+//! (`request.block_hashes`, `request.num_tokens`, `request.num_computed_tokens`), and the
+//! scheduler changes them behind the manager's back (it truncates `block_hashes`, rolls
+//! `num_computed_tokens` back on preemption). So every call takes what it needs of that
+//! state as arguments. What the manager owns is vLLM's own: the block pool and, per request
+//! and group, its block table and how many of its blocks are registered in the cache.
+
+use super::RequestState;
+use super::{AllocateArgs, CacheHit, EngineConfig, HashSource, KvCacheEngine, RequestBlocks};
+use crate::hashing::BlockHash;
+use crate::pool::{BlockPool, DigestHasher, KvEvent};
+use crate::CoreResult;
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
+/// One KV-cache event, in the order the pool produced it. A `Stored` range is one group's
+/// logical blocks `[first, end)` of a request, less the `skipped` indices (null blocks): the
+/// caller, who owns the request's tokens and keys, builds vLLM's `BlockStored` from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ManagerEvent {
+    Removed { hash: BlockHash, group: u32 },
+    Stored { request_id: String, group: u32, first: usize, end: usize, skipped: Vec<usize> },
+    AllBlocksCleared,
+}
+
+type IdMap<V> = HashMap<String, V, BuildHasherDefault<DigestHasher>>;
+
+#[derive(Debug, Clone)]
+pub struct KvCacheManager {
+    engine: KvCacheEngine,
+    requests: IdMap<RequestBlocks>,
+    events: Vec<ManagerEvent>,
+}
+
+impl KvCacheManager {
+    pub fn new(config: EngineConfig) -> CoreResult<Self> {
+        Ok(Self {
+            engine: KvCacheEngine::new(config)?,
+            requests: IdMap::default(),
+            events: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        self.engine.config()
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        self.engine.pool()
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// vLLM's `get_computed_blocks` search (see [`KvCacheEngine::find_longest_cache_hit`]).
+    pub fn lookup(
+        &self,
+        hashes: &(impl HashSource + ?Sized),
+        max_length: usize,
+    ) -> CoreResult<CacheHit> {
+        self.engine.find_longest_cache_hit(hashes, max_length)
+    }
+
+    /// vLLM's `allocate_slots` for the request `request_id`. Returns the blocks newly
+    /// allocated per group, or `None` when the pool cannot provide them.
+    pub fn allocate_slots(
+        &mut self,
+        request_id: &str,
+        request: &RequestState,
+        args: &AllocateArgs,
+        hits: &CacheHit,
+        hashes: &(impl HashSource + ?Sized),
+    ) -> CoreResult<Option<Vec<Vec<u32>>>> {
+        let num_groups = self.engine.num_groups();
+        let held = match self.requests.get_mut(request_id) {
+            Some(held) => held,
+            None => self
+                .requests
+                .entry(request_id.to_owned())
+                .or_insert_with(|| RequestBlocks::new(num_groups)),
+        };
+        let result = self.engine.allocate_slots(held, request, args, hits, hashes, |_, _| {});
+        if !held.holds_blocks() && !held.is_tracked() {
+            // Nothing allocated for a request vLLM does not track yet: keep no entry.
+            self.requests.remove(request_id);
+        }
+        let result = result?;
+        self.drain_events(request_id);
+        Ok(result)
+    }
+
+    /// vLLM's `cache_blocks`: registers the request's full blocks up to `num_tokens` tokens.
+    /// A request without blocks is left alone.
+    pub fn cache_blocks(
+        &mut self,
+        request_id: &str,
+        request: &RequestState,
+        num_tokens: usize,
+        hashes: &(impl HashSource + ?Sized),
+    ) -> CoreResult<()> {
+        let Some(held) = self.requests.get_mut(request_id) else { return Ok(()) };
+        self.engine.cache_blocks(held, request, num_tokens, hashes)?;
+        self.drain_events(request_id);
+        Ok(())
+    }
+
+    /// vLLM's `remove_skipped_blocks`: frees what no later token reads once
+    /// `num_processed` tokens are done (a no-op for an unknown id).
+    pub fn remove_skipped_blocks(&mut self, request_id: &str, num_processed: usize) {
+        if let Some(held) = self.requests.get_mut(request_id) {
+            self.engine.remove_skipped_blocks(held, num_processed);
+        }
+        self.drain_events(request_id);
+    }
+
+    /// vLLM's `free`: releases the request's blocks, last block first. Unknown ids are a
+    /// no-op, as in vLLM (the scheduler frees requests that never got blocks).
+    pub fn free(&mut self, request_id: &str) {
+        if let Some(held) = self.requests.remove(request_id) {
+            self.engine.free(held);
+        }
+    }
+
+    /// The request's block table in each group (empty for an unknown id).
+    pub fn block_ids(&self, request_id: &str) -> Option<&RequestBlocks> {
+        self.requests.get(request_id)
+    }
+
+    /// vLLM's `estimate_cached_tokens`.
+    pub fn estimate_cached_tokens(&self, request_id: &str) -> usize {
+        self.requests.get(request_id).map_or(0, |held| self.engine.estimate_cached_tokens(held))
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.engine.num_free_blocks()
+    }
+
+    pub fn usage(&self) -> f64 {
+        self.engine.usage()
+    }
+
+    /// vLLM's `reset_prefix_cache`: only when no request holds a block.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let done = self.engine.reset_prefix_cache();
+        self.drain_events("");
+        done
+    }
+
+    /// The events since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<ManagerEvent> {
+        self.drain_events("");
+        std::mem::take(&mut self.events)
+    }
+
+    /// Moves the pool's events here; registrations are the call's, for `request_id`.
+    fn drain_events(&mut self, request_id: &str) {
+        if !self.engine.pool().events_enabled() {
+            return;
+        }
+        for event in self.engine.take_events() {
+            self.events.push(match event {
+                KvEvent::BlockRemoved(key) => {
+                    ManagerEvent::Removed { hash: key.hash, group: key.group }
+                }
+                KvEvent::AllBlocksCleared => ManagerEvent::AllBlocksCleared,
+                KvEvent::Registered(r) => ManagerEvent::Stored {
+                    request_id: request_id.to_owned(),
+                    group: r.group,
+                    first: r.first,
+                    end: r.end,
+                    skipped: r.skipped,
+                },
+                KvEvent::BlockStored(_) => continue,
+            });
+        }
+    }
+}

@@ -1,0 +1,453 @@
+//! The allocation engine: vLLM 0.33's `KVCacheManager`, its coordinators (unitary, hybrid,
+//! no prefix cache) and single-type managers (full attention, sliding window, chunked local
+//! attention) over one [`BlockPool`], written once.
+//!
+//! The engine owns the pool and the rules; each request's block tables ([`RequestBlocks`])
+//! belong to the caller, which also owns the request's tokens and hashes: the vLLM manager
+//! ([`KvCacheManager`]) keeps tables by request id and reads everything else from vLLM's
+//! `Request`, and the embedded [`crate::BlockManager`] keeps them beside its token buffers
+//! and adds copy-on-write and token verification on top. Every call takes the request's
+//! state it needs as arguments ([`RequestState`], a [`HashSource`]).
+
+mod group;
+mod hit;
+mod manager;
+mod spec;
+#[cfg(test)]
+mod tests;
+
+pub use group::{GroupBlocks, RequestBlocks};
+pub use hit::CacheHit;
+pub use manager::{KvCacheManager, ManagerEvent};
+pub use spec::{AttentionKind, EngineConfig, GroupSpec};
+
+use crate::hashing::BlockHash;
+use crate::pool::{BlockPool, CacheKey, KvEvent, Registered, NULL_BLOCK};
+use crate::{CoreError, CoreResult};
+
+/// Read access to a request's block hashes (vLLM's `request.block_hashes`).
+pub trait HashSource {
+    fn len(&self) -> usize;
+    /// Hash `index` (< `len()`); an error if it is not a 16- or 32-byte hash.
+    fn get(&self, index: usize) -> CoreResult<BlockHash>;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl HashSource for [BlockHash] {
+    fn len(&self) -> usize {
+        <[BlockHash]>::len(self)
+    }
+
+    fn get(&self, index: usize) -> CoreResult<BlockHash> {
+        <[BlockHash]>::get(self, index).copied().ok_or(CoreError::OutOfRange {
+            what: "block hash index",
+            value: index,
+            limit: <[BlockHash]>::len(self),
+        })
+    }
+}
+
+/// What the engine reads of a request at each call (vLLM's `Request` fields).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestState {
+    /// `request.num_tokens`: prompt and accepted output tokens.
+    pub num_tokens: usize,
+    /// `request.num_computed_tokens`
+    pub num_computed_tokens: usize,
+    pub num_prompt_tokens: usize,
+    /// `request.shared_prefix_boundary`: where a longer cached prefix of another request
+    /// ends (the third value of `get_computed_blocks`), 0 for none.
+    pub shared_prefix_boundary: usize,
+    /// `request.num_in_flight_tokens`: scheduled tokens whose step has not come back yet.
+    pub num_in_flight_tokens: usize,
+    /// The request waits for admission (vLLM's status WAITING or PREEMPTED).
+    pub is_waiting: bool,
+}
+
+/// The arguments of vLLM's `allocate_slots` that the engine implements.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllocateArgs {
+    pub num_new_tokens: usize,
+    pub num_new_computed_tokens: usize,
+    pub num_lookahead_tokens: usize,
+    pub reserved_blocks: usize,
+    pub full_sequence_must_fit: bool,
+    pub delay_cache_blocks: bool,
+    /// Whether any request is already scheduled this step (the watermark applies only then).
+    pub has_scheduled_reqs: bool,
+    /// Blocks a layer above takes from the pool in the same call (copy-on-write).
+    pub extra_blocks: usize,
+}
+
+fn invalid(msg: impl Into<String>) -> CoreError {
+    CoreError::InvalidArgument(msg.into())
+}
+
+#[derive(Debug, Clone)]
+pub struct KvCacheEngine {
+    config: EngineConfig,
+    pool: BlockPool,
+    /// The groups looked up together, in vLLM's order.
+    sets: Vec<hit::LookupSet>,
+    /// Whether any group drops its last hit block for EAGLE.
+    any_drop: bool,
+    /// Per group: the group's hits are EAGLE-aware (vLLM's per-manager `use_eagle`).
+    eagle_aware: Vec<bool>,
+}
+
+impl KvCacheEngine {
+    pub fn new(config: EngineConfig) -> CoreResult<Self> {
+        config.validate()?;
+        let pool = BlockPool::new(config.num_blocks, config.enable_caching, config.enable_events)?;
+        let drop = hit::eagle_drop_groups(&config);
+        let sets = hit::lookup_sets(&config, &drop);
+        // A lookup set drops for all its groups when any member does.
+        let mut eagle_aware = vec![false; config.groups.len()];
+        for set in sets.iter().filter(|s| s.drop_eagle) {
+            for &g in &set.groups {
+                if let Some(aware) = eagle_aware.get_mut(g) {
+                    *aware = true;
+                }
+            }
+        }
+        let any_drop = drop.iter().any(|&d| d);
+        Ok(Self { config, pool, sets, any_drop, eagle_aware })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.config.groups.len()
+    }
+
+    pub fn new_request(&self) -> RequestBlocks {
+        RequestBlocks::new(self.num_groups())
+    }
+
+    /// vLLM's `get_computed_blocks` search: the cached prefix every group can serve, at most
+    /// `max_length` tokens long. Takes no references.
+    pub fn find_longest_cache_hit(
+        &self,
+        hashes: &(impl HashSource + ?Sized),
+        max_length: usize,
+    ) -> CoreResult<CacheHit> {
+        if !self.config.enable_caching {
+            return Ok(CacheHit::empty(self.num_groups()));
+        }
+        let needed = hashes.len().min(max_length / self.config.block_size() + 1);
+        let prefix: Vec<BlockHash> =
+            (0..needed).map(|i| hashes.get(i)).collect::<CoreResult<_>>()?;
+        let (num_groups, block_size) = (self.num_groups(), self.config.block_size());
+        Ok(hit::find_longest_cache_hit(
+            &self.sets, num_groups, block_size, &self.pool, &prefix, max_length,
+        ))
+    }
+
+    /// The hits must have the shape a lookup gives: one list per group, cached blocks or
+    /// null ones, adopted only at a request's first allocation.
+    fn check_hits(&self, held: &RequestBlocks, hits: &CacheHit) -> CoreResult<()> {
+        if hits.is_empty() {
+            return Ok(());
+        }
+        if hits.blocks.len() != self.num_groups() {
+            return Err(invalid(format!(
+                "new_computed_blocks has {} groups, the KV cache {}",
+                hits.blocks.len(),
+                self.num_groups()
+            )));
+        }
+        if !self.config.enable_caching {
+            return Err(invalid("prefix caching is disabled: there are no hits to adopt"));
+        }
+        if held.is_tracked() || held.holds_blocks() {
+            return Err(invalid("prefix hits can only be adopted at a request's first allocation"));
+        }
+        let num_blocks = self.pool.num_blocks();
+        for (group, blocks) in hits.blocks.iter().enumerate() {
+            for (index, &block) in blocks.iter().enumerate() {
+                if block == NULL_BLOCK {
+                    continue;
+                }
+                let cached = self.pool.key(block).is_some_and(|k| k.group as usize == group);
+                if block as usize >= num_blocks || !cached {
+                    return Err(invalid(format!(
+                        "new_computed_blocks[{group}][{index}] = {block} is not a block cached \
+                         for group {group}"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's coordinator `get_num_blocks_to_allocate`, summed over the groups.
+    fn blocks_needed(
+        &self,
+        held: &RequestBlocks,
+        num_tokens: usize,
+        hits: &CacheHit,
+        total_computed: usize,
+        cap: bool,
+    ) -> usize {
+        let no_hits: &[u32] = &[];
+        self.config
+            .groups
+            .iter()
+            .zip(&held.groups)
+            .enumerate()
+            .map(|(g, (spec, blocks))| {
+                let hits = hits.blocks.get(g).map_or(no_hits, Vec::as_slice);
+                group::num_blocks_to_allocate(
+                    spec,
+                    &self.pool,
+                    blocks,
+                    num_tokens,
+                    hits,
+                    total_computed,
+                    cap,
+                )
+            })
+            .sum()
+    }
+
+    /// vLLM's `remove_skipped_blocks` for every group: frees what no later token reads once
+    /// `num_processed` tokens are done.
+    pub fn remove_skipped_blocks(&mut self, held: &mut RequestBlocks, num_processed: usize) {
+        for (spec, blocks) in self.config.groups.iter().zip(&mut held.groups) {
+            group::remove_skipped_blocks(spec, &mut self.pool, blocks, num_processed);
+        }
+    }
+
+    /// vLLM's `allocate_slots`. Returns the blocks newly allocated per group, or `None` when
+    /// the pool cannot provide them. A `None` return may still have freed blocks that fell
+    /// out of a sliding window or chunk (vLLM frees those first, whatever the outcome); an
+    /// error changes nothing. `before_new_blocks` runs once the allocation is certain, after
+    /// the hits are adopted and before new blocks are taken (the embedded manager's
+    /// copy-on-write, which takes `args.extra_blocks` blocks).
+    pub fn allocate_slots(
+        &mut self,
+        held: &mut RequestBlocks,
+        request: &RequestState,
+        args: &AllocateArgs,
+        hits: &CacheHit,
+        hashes: &(impl HashSource + ?Sized),
+        before_new_blocks: impl FnOnce(&mut BlockPool, &mut RequestBlocks),
+    ) -> CoreResult<Option<Vec<Vec<u32>>>> {
+        if args.num_new_tokens == 0 && args.num_new_computed_tokens == 0 {
+            return Err(invalid(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
+            ));
+        }
+        if held.groups.len() != self.num_groups() {
+            return Err(CoreError::Internal("a request's tables do not match the groups"));
+        }
+        self.check_hits(held, hits)?;
+        let max_len = self.config.max_model_len;
+        let local = request.num_computed_tokens.saturating_add(args.num_new_computed_tokens);
+        let total = local.min(max_len);
+        let watermark = if args.has_scheduled_reqs && request.is_waiting {
+            self.config.watermark_blocks
+        } else {
+            0
+        };
+        if args.full_sequence_must_fit {
+            let whole = request.num_tokens.min(max_len);
+            let needed = self.blocks_needed(held, whole, hits, total, true);
+            if needed.saturating_add(watermark) > self.pool.num_free_blocks() {
+                return Ok(None);
+            }
+        }
+        let main = total.saturating_add(args.num_new_tokens);
+        let slots = main.saturating_add(args.num_lookahead_tokens).min(max_len);
+        // Read the hashes this call may register first: a bad one must change nothing.
+        let cache_upto = main.min(request.num_tokens);
+        let keys =
+            if args.delay_cache_blocks { Vec::new() } else { self.read_keys(hashes, cache_upto)? };
+
+        // Blocks out of the window are freed even if the allocation then fails (vLLM frees
+        // on the processed-token basis: in-flight steps still read below the boundary).
+        let processed = total.saturating_sub(request.num_in_flight_tokens);
+        self.remove_skipped_blocks(held, processed);
+        let needed = self.blocks_needed(held, slots, hits, total, false) + args.extra_blocks;
+        let available = self.pool.num_free_blocks().saturating_sub(args.reserved_blocks);
+        if needed.saturating_add(watermark) > available {
+            return Ok(None);
+        }
+
+        if !hits.is_empty() && !held.is_tracked() {
+            // check_hits: a first allocation with caching on. Touch every group's hits
+            // before any group takes new blocks, so none can evict another's hit.
+            for (g, (spec, blocks)) in self.config.groups.iter().zip(&mut held.groups).enumerate() {
+                let group_hits = hits.blocks.get(g).map_or(&[][..], Vec::as_slice);
+                group::add_computed_blocks(spec, &mut self.pool, blocks, group_hits, local, true);
+            }
+        }
+        before_new_blocks(&mut self.pool, held);
+        let new = self
+            .config
+            .groups
+            .iter()
+            .zip(&mut held.groups)
+            .map(|(spec, blocks)| group::allocate_new_blocks(spec, &mut self.pool, blocks, slots))
+            .collect();
+        if !args.delay_cache_blocks {
+            self.cache_with_keys(held, request, cache_upto, &keys);
+        }
+        Ok(Some(new))
+    }
+
+    /// The tokens of `num_computed` a group may register (vLLM's coordinator
+    /// `get_num_cacheable_tokens`): finalized tokens only, and with EAGLE in a hybrid
+    /// layout at most one block past the last block-aligned prefix.
+    fn cacheable_tokens(&self, num_computed: usize, eagle_aware: bool) -> usize {
+        let reprefillable = self.config.num_prefill_lookahead.saturating_sub(1);
+        let finalized = num_computed.saturating_sub(reprefillable);
+        if self.num_groups() == 1 {
+            return finalized;
+        }
+        let b = self.config.block_size();
+        let aligned = num_computed / b * b;
+        if eagle_aware && aligned > 0 {
+            finalized.min(finalized / b * b + b)
+        } else {
+            aligned
+        }
+    }
+
+    /// vLLM's `cache_blocks`: registers each group's full blocks up to `num_computed` tokens
+    /// (as far as the request has hashes).
+    pub fn cache_blocks(
+        &mut self,
+        held: &mut RequestBlocks,
+        request: &RequestState,
+        num_computed: usize,
+        hashes: &(impl HashSource + ?Sized),
+    ) -> CoreResult<()> {
+        let keys = self.read_keys(hashes, num_computed)?;
+        self.cache_with_keys(held, request, num_computed, &keys);
+        Ok(())
+    }
+
+    /// The hashes registering up to `num_tokens` tokens may need (none without caching).
+    fn read_keys(
+        &self,
+        hashes: &(impl HashSource + ?Sized),
+        num_tokens: usize,
+    ) -> CoreResult<Vec<BlockHash>> {
+        if !self.config.enable_caching {
+            return Ok(Vec::new());
+        }
+        let n = hashes.len().min(num_tokens / self.config.block_size());
+        (0..n).map(|i| hashes.get(i)).collect()
+    }
+
+    /// `cache_blocks` once the hashes are read (`keys` holds every hash it may need). A
+    /// request holding fewer blocks than its full ones (its tokens outgrew `max_model_len`)
+    /// registers the blocks it has.
+    fn cache_with_keys(
+        &mut self,
+        held: &mut RequestBlocks,
+        request: &RequestState,
+        num_computed: usize,
+        keys: &[BlockHash],
+    ) {
+        let b = self.config.block_size();
+        let replay = self.replay_boundaries(request.num_prompt_tokens);
+        let groups = self.config.groups.iter().zip(&self.eagle_aware);
+        for (g, ((spec, &eagle), blocks)) in groups.zip(&mut held.groups).enumerate() {
+            let num_tokens = self.cacheable_tokens(num_computed, eagle);
+            let done = blocks.num_cached.unwrap_or(0);
+            let full = (num_tokens.min(keys.len() * b) / b).min(blocks.blocks.len());
+            if done >= full {
+                continue;
+            }
+            let mut boundaries = replay.clone();
+            if request.shared_prefix_boundary > 0 {
+                boundaries.push(request.shared_prefix_boundary);
+                if eagle {
+                    // A sibling diverging right after the junction has no EAGLE peek block.
+                    boundaries.extend(request.shared_prefix_boundary.checked_sub(b));
+                }
+            }
+            let retention = self.config.retention_interval;
+            let mask = group::cacheable_mask(spec, eagle, done..full, retention, &boundaries);
+            let mut skipped = Vec::new();
+            let range = blocks.blocks.iter().zip(keys).enumerate().take(full).skip(done);
+            for (index, (&block, &hash)) in range {
+                let masked = mask.as_ref().and_then(|m| m.get(index - done)) == Some(&false);
+                if block == NULL_BLOCK || masked {
+                    skipped.push(index);
+                    continue;
+                }
+                self.pool.cache_block(block, CacheKey::new(hash, g as u32), (index + 1) * b);
+            }
+            blocks.num_cached = Some(full);
+            if self.pool.events_enabled() {
+                let registered = Registered { group: g as u32, first: done, end: full, skipped };
+                self.pool.push_event(KvEvent::Registered(registered));
+            }
+        }
+    }
+
+    /// Where a later request replaying a prompt of `num_prompt_tokens` can resume (vLLM's
+    /// `replay_boundaries`): before its last token, and with EAGLE the block below each of
+    /// the two block-aligned ends a resend or a longer sibling reaches.
+    fn replay_boundaries(&self, num_prompt_tokens: usize) -> Vec<usize> {
+        if !self.any_drop {
+            return vec![num_prompt_tokens.saturating_sub(1)];
+        }
+        let b = self.config.block_size();
+        let resend = num_prompt_tokens.saturating_sub(1) / b * b;
+        let extension = num_prompt_tokens / b * b;
+        let mut out = vec![resend.saturating_sub(b), extension.saturating_sub(b)];
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// vLLM's `free`: every group releases the request's blocks, last block first.
+    pub fn free(&mut self, held: RequestBlocks) {
+        for blocks in held.groups {
+            group::free(&mut self.pool, blocks);
+        }
+    }
+
+    /// vLLM's `estimate_cached_tokens`: per group the longest prefix any of the request's
+    /// blocks is registered for; the shortest of those.
+    pub fn estimate_cached_tokens(&self, held: &RequestBlocks) -> usize {
+        held.groups
+            .iter()
+            .map(|g| g.blocks.iter().map(|&b| self.pool.key_num_tokens(b)).max().unwrap_or(0))
+            .min()
+            .unwrap_or(0)
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free_blocks()
+    }
+
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// vLLM's `reset_prefix_cache`: only when no request holds a block.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_events()
+    }
+}

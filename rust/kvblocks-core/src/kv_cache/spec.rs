@@ -1,0 +1,190 @@
+//! How a model's KV cache is laid out: its groups, each with the attention kind whose rules
+//! manage its blocks, and the engine-wide settings (vLLM's `KVCacheConfig` plus the
+//! `KVCacheManager` arguments that change decisions).
+
+use crate::{CoreError, CoreResult};
+
+/// The rules one group's blocks follow (vLLM's single-type managers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// Every token attends to every earlier one: blocks are kept until the request ends
+    /// (vLLM's `FullAttentionManager`: full attention and MLA).
+    Full,
+    /// A token attends to the `window - 1` tokens before it: blocks that fall out of the
+    /// window (less `extra_retained` trailing tokens kept for multi-token prediction) are
+    /// freed and replaced by the null block (vLLM's `SlidingWindowManager`).
+    SlidingWindow { window: usize, extra_retained: usize },
+    /// Tokens attend within chunks of `chunk` tokens: blocks of finished chunks are freed
+    /// (vLLM's `ChunkedLocalAttentionManager`).
+    ChunkedLocal { chunk: usize },
+}
+
+impl AttentionKind {
+    /// How many leading tokens no later token attends to, once `num_computed_tokens` are
+    /// computed (vLLM's `get_num_skipped_tokens`).
+    pub fn num_skipped_tokens(self, num_computed_tokens: usize) -> usize {
+        match self {
+            Self::Full => 0,
+            Self::SlidingWindow { window, extra_retained } => {
+                (num_computed_tokens + 1).saturating_sub(window + extra_retained)
+            }
+            Self::ChunkedLocal { chunk } => num_computed_tokens / chunk * chunk,
+        }
+    }
+
+    pub fn is_full(self) -> bool {
+        matches!(self, Self::Full)
+    }
+}
+
+/// One KV-cache group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSpec {
+    pub kind: AttentionKind,
+    pub block_size: usize,
+    /// vLLM's `max_admission_blocks_per_request`: the most blocks a request of this group
+    /// can hold at once (sliding window and chunked local recycle blocks); `None` when
+    /// unbounded.
+    pub max_admission_blocks: Option<usize>,
+    /// vLLM's `KVCacheGroupSpec.is_eagle_group`: the draft model's group.
+    pub is_eagle_group: bool,
+}
+
+impl GroupSpec {
+    pub fn full(block_size: usize) -> Self {
+        Self {
+            kind: AttentionKind::Full,
+            block_size,
+            max_admission_blocks: None,
+            is_eagle_group: false,
+        }
+    }
+}
+
+/// Everything that decides the engine's behaviour.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// All blocks, the null block (id 0) included.
+    pub num_blocks: u32,
+    pub groups: Vec<GroupSpec>,
+    /// The groups whose prefix hits are looked up together, in the order vLLM's hybrid
+    /// coordinator visits them: one set per distinct spec (vLLM compares the specs; the
+    /// caller, who has them, decides), full attention first. Every group in exactly one
+    /// set. Ignored with fewer than two groups.
+    pub lookup_sets: Vec<Vec<usize>>,
+    pub max_model_len: usize,
+    pub enable_caching: bool,
+    pub enable_events: bool,
+    /// vLLM's `int(watermark * num_blocks)`: blocks kept free when admitting a request
+    /// while others are scheduled.
+    pub watermark_blocks: usize,
+    /// vLLM's `use_eagle` (EAGLE/MTP block drop): a prefix hit drops its last block.
+    pub use_eagle: bool,
+    /// vLLM's `num_prefill_lookahead`: the last `n - 1` computed tokens may be prefilled
+    /// again (multi-token prediction), so they are not cached yet.
+    pub num_prefill_lookahead: usize,
+    /// vLLM's `prefix_cache_retention_interval` (sliding-window groups): `None` registers
+    /// every block a hit could use, `Some(0)` only those at replay boundaries and
+    /// shared-prefix junctions, `Some(r)` also one window per `r` tokens.
+    pub retention_interval: Option<usize>,
+}
+
+impl EngineConfig {
+    /// One full-attention group of `block_size`-token blocks, caching on, nothing else.
+    pub fn single_group(num_blocks: u32, block_size: usize, max_model_len: usize) -> Self {
+        Self {
+            num_blocks,
+            groups: vec![GroupSpec::full(block_size)],
+            lookup_sets: vec![vec![0]],
+            max_model_len,
+            enable_caching: true,
+            enable_events: false,
+            watermark_blocks: 0,
+            use_eagle: false,
+            num_prefill_lookahead: 0,
+            retention_interval: None,
+        }
+    }
+
+    /// The block size every group shares (the engine reproduces vLLM for layouts whose
+    /// groups all use the hash block size).
+    pub fn block_size(&self) -> usize {
+        self.groups.first().map_or(1, |g| g.block_size)
+    }
+
+    pub(crate) fn validate(&self) -> CoreResult<()> {
+        let invalid = |msg: String| Err(CoreError::InvalidArgument(msg));
+        if self.num_blocks == 0 {
+            return Err(CoreError::InvalidSize { what: "num_blocks (must be >= 1)", value: 0 });
+        }
+        if self.groups.is_empty() {
+            return invalid("a KV cache needs at least one group".into());
+        }
+        if self.groups.len() > u32::MAX as usize {
+            return Err(CoreError::InvalidSize {
+                what: "number of groups",
+                value: self.groups.len(),
+            });
+        }
+        let block_size = self.block_size();
+        for (i, group) in self.groups.iter().enumerate() {
+            if group.block_size == 0 {
+                return Err(CoreError::InvalidSize { what: "block_size (must be >= 1)", value: 0 });
+            }
+            if group.block_size != block_size {
+                return invalid(format!(
+                    "group {i} has {}-token blocks and group 0 {block_size}-token blocks: \
+                     every group must use the same block size",
+                    group.block_size
+                ));
+            }
+            match group.kind {
+                AttentionKind::SlidingWindow { window: 0, .. } => {
+                    return invalid(format!("group {i}: a sliding window must be >= 1 token"));
+                }
+                AttentionKind::ChunkedLocal { chunk: 0 } => {
+                    return invalid(format!("group {i}: an attention chunk must be >= 1 token"));
+                }
+                _ => {}
+            }
+            if group.max_admission_blocks == Some(0) {
+                return invalid(format!("group {i}: max_admission_blocks must be >= 1"));
+            }
+        }
+        if let Some(r) = self.retention_interval.filter(|&r| r > 0) {
+            if r % block_size != 0 {
+                return invalid(format!(
+                    "prefix_cache_retention_interval ({r}) must be a multiple of the block size \
+                     ({block_size})"
+                ));
+            }
+        }
+        if self.max_model_len == 0 {
+            return Err(CoreError::InvalidSize { what: "max_model_len (must be >= 1)", value: 0 });
+        }
+        if self.groups.len() > 1 {
+            let mut seen = vec![false; self.groups.len()];
+            for set in &self.lookup_sets {
+                let Some(&first) = set.first() else {
+                    return invalid("an empty lookup set".into());
+                };
+                let kind = self.groups.get(first).map(|g| g.kind);
+                for &g in set {
+                    match seen.get_mut(g) {
+                        Some(s) if !*s => *s = true,
+                        _ => {
+                            return invalid(format!("lookup sets name group {g} twice or unknown"))
+                        }
+                    }
+                    if self.groups.get(g).map(|g| g.kind) != kind {
+                        return invalid("a lookup set mixes attention kinds".into());
+                    }
+                }
+            }
+            if seen.iter().any(|s| !s) {
+                return invalid("every group must be in one lookup set".into());
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,309 @@
+//! Worked examples of the engine's rules (docs/semantics.md §2, §3 and §5), one group and
+//! several.
+
+#![allow(clippy::unwrap_used, clippy::indexing_slicing)] // test code: a panic is a failure
+
+use super::*;
+
+fn h(i: u8) -> BlockHash {
+    BlockHash::Sha256([i; 32])
+}
+
+fn hashes(range: std::ops::Range<u8>) -> Vec<BlockHash> {
+    range.map(h).collect()
+}
+
+fn full(block_size: usize) -> GroupSpec {
+    GroupSpec::full(block_size)
+}
+
+fn window(block_size: usize, window: usize) -> GroupSpec {
+    GroupSpec {
+        kind: AttentionKind::SlidingWindow { window, extra_retained: 0 },
+        block_size,
+        max_admission_blocks: None,
+        is_eagle_group: false,
+    }
+}
+
+fn chunked(block_size: usize, chunk: usize) -> GroupSpec {
+    GroupSpec { kind: AttentionKind::ChunkedLocal { chunk }, ..full(block_size) }
+}
+
+fn engine(num_blocks: u32, groups: Vec<GroupSpec>) -> KvCacheManager {
+    let lookup_sets = {
+        // full attention first, one set per group (no two specs are equal here)
+        let mut ids: Vec<usize> = (0..groups.len()).collect();
+        ids.sort_by_key(|&g| !groups[g].kind.is_full());
+        ids.into_iter().map(|g| vec![g]).collect()
+    };
+    KvCacheManager::new(EngineConfig {
+        groups,
+        lookup_sets,
+        enable_events: true,
+        ..EngineConfig::single_group(num_blocks, 4, 1 << 20)
+    })
+    .unwrap()
+}
+
+fn state(num_tokens: usize) -> RequestState {
+    RequestState {
+        num_tokens,
+        num_prompt_tokens: num_tokens,
+        is_waiting: true,
+        ..Default::default()
+    }
+}
+
+/// A new request's admission: lookup, then one allocation of everything not hit.
+fn admit(m: &mut KvCacheManager, id: &str, hashes: &[BlockHash], num_tokens: usize) -> CacheHit {
+    let hit = m.lookup(hashes, num_tokens - 1).unwrap();
+    let args = AllocateArgs {
+        num_new_tokens: num_tokens - hit.num_tokens,
+        num_new_computed_tokens: hit.num_tokens,
+        full_sequence_must_fit: true,
+        ..AllocateArgs::default()
+    };
+    m.allocate_slots(id, &state(num_tokens), &args, &hit, hashes).unwrap().unwrap();
+    hit
+}
+
+fn table(m: &KvCacheManager, id: &str, group: usize) -> Vec<u32> {
+    m.block_ids(id).map(|r| r.groups[group].blocks.clone()).unwrap_or_default()
+}
+
+fn free_queue(m: &KvCacheManager) -> Vec<u32> {
+    m.pool().free_block_ids().collect()
+}
+
+#[test]
+fn worked_trace_of_vllm_semantics() {
+    // N = 11, B = 16: R0 = 48 shared tokens + 7, R1 = the same 48 + 5.
+    let mut m = KvCacheManager::new(EngineConfig {
+        enable_events: true,
+        ..EngineConfig::single_group(11, 16, 1 << 20)
+    })
+    .unwrap();
+    let shared = hashes(1..4);
+    admit(&mut m, "r0", &shared, 55);
+    assert_eq!(table(&m, "r0", 0), [1, 2, 3, 4]);
+    admit(&mut m, "r1", &shared, 53);
+    assert_eq!(table(&m, "r1", 0), [1, 2, 3, 5]);
+    assert_eq!(m.num_free_blocks(), 5);
+    assert_eq!(m.estimate_cached_tokens("r1"), 48);
+    m.free("r0");
+    m.free("r1");
+    assert_eq!(free_queue(&m), [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]);
+    // 160 fresh tokens take every free block and evict the three cached ones.
+    admit(&mut m, "r2", &hashes(10..19), 160);
+    assert!(free_queue(&m).is_empty());
+    let removed: Vec<_> =
+        m.take_events().into_iter().filter(|e| matches!(e, ManagerEvent::Removed { .. })).collect();
+    let expected = [3, 2, 1].map(|i| ManagerEvent::Removed { hash: h(i), group: 0 });
+    assert_eq!(removed, expected, "evicted in queue order, tail of the chain first");
+}
+
+#[test]
+fn refusals_change_nothing() {
+    let mut m = engine(5, vec![full(4)]);
+    admit(&mut m, "a", &[h(1), h(2)], 9); // 3 blocks, 1 free
+    let before = (free_queue(&m), table(&m, "a", 0));
+    let args = AllocateArgs { num_new_tokens: 9, ..AllocateArgs::default() };
+    let none = CacheHit::empty(1);
+    assert_eq!(m.allocate_slots("b", &state(9), &args, &none, &[][..]).unwrap(), None);
+    let zero = AllocateArgs::default();
+    assert!(m.allocate_slots("b", &state(9), &zero, &none, &[][..]).is_err());
+    for bad in [vec![99], vec![3]] {
+        // a block out of range; a block not cached
+        let hit = CacheHit { blocks: vec![bad], ..CacheHit::default() };
+        assert!(m.allocate_slots("b", &state(9), &args, &hit, &[][..]).is_err());
+    }
+    let again = CacheHit { blocks: vec![vec![1]], ..CacheHit::default() };
+    assert!(m.allocate_slots("a", &state(9), &args, &again, &[][..]).is_err(), "not first");
+    let two = CacheHit { blocks: vec![vec![1], vec![]], ..CacheHit::default() };
+    assert!(m.allocate_slots("b", &state(9), &args, &two, &[][..]).is_err(), "two groups");
+    assert_eq!((free_queue(&m), table(&m, "a", 0)), before);
+    assert!(m.block_ids("b").is_none());
+    m.free("never-seen");
+}
+
+#[test]
+fn watermark_applies_to_waiting_requests_while_others_are_scheduled() {
+    let mut m = KvCacheManager::new(EngineConfig {
+        watermark_blocks: 3,
+        ..EngineConfig::single_group(6, 4, 1 << 20)
+    })
+    .unwrap();
+    let none = CacheHit::empty(1);
+    let mut args =
+        AllocateArgs { num_new_tokens: 12, has_scheduled_reqs: true, ..Default::default() };
+    assert_eq!(m.allocate_slots("a", &state(12), &args, &none, &[][..]).unwrap(), None); // 3+3 > 5
+    let running = RequestState { is_waiting: false, ..state(12) };
+    args.reserved_blocks = 3;
+    assert_eq!(m.allocate_slots("a", &running, &args, &none, &[][..]).unwrap(), None);
+    args.reserved_blocks = 2;
+    let new = m.allocate_slots("a", &running, &args, &none, &[][..]).unwrap();
+    assert_eq!(new, Some(vec![vec![1, 2, 3]]));
+    // Nothing scheduled yet: no watermark for a waiting request either.
+    let mut m = KvCacheManager::new(EngineConfig {
+        watermark_blocks: 3,
+        ..EngineConfig::single_group(6, 4, 1 << 20)
+    })
+    .unwrap();
+    args = AllocateArgs { num_new_tokens: 12, has_scheduled_reqs: false, ..Default::default() };
+    assert!(m.allocate_slots("a", &state(12), &args, &none, &[][..]).unwrap().is_some());
+}
+
+#[test]
+fn caching_follows_the_hashes_the_caller_has() {
+    let mut m = engine(8, vec![full(2)]);
+    let args = AllocateArgs { num_new_tokens: 6, ..AllocateArgs::default() };
+    // Only one hash exists yet: only one block is registered.
+    let none = CacheHit::empty(1);
+    m.allocate_slots("a", &state(6), &args, &none, &[h(1)][..]).unwrap().unwrap();
+    assert_eq!(m.lookup(&[h(1), h(2)][..], 9).unwrap().blocks, [vec![1]]);
+    m.cache_blocks("a", &state(6), 6, &[h(1), h(2), h(3)][..]).unwrap();
+    assert_eq!(m.lookup(&hashes(1..4)[..], 9).unwrap().blocks, [vec![1, 2, 3]]);
+    assert_eq!(m.lookup(&hashes(1..4)[..], 5).unwrap().num_tokens, 4);
+    let stored: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            ManagerEvent::Stored { first, end, .. } => Some((first, end)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored, [(0, 1), (1, 3)]);
+}
+
+#[test]
+fn reset_needs_every_block_back() {
+    let mut m = engine(4, vec![full(2)]);
+    admit(&mut m, "a", &[h(1)], 3);
+    assert!(!m.reset_prefix_cache());
+    m.free("a");
+    m.take_events();
+    assert!(m.reset_prefix_cache());
+    assert_eq!(m.take_events(), [ManagerEvent::AllBlocksCleared]);
+    assert!(m.lookup(&[h(1)][..], 1).unwrap().is_empty());
+}
+
+#[test]
+fn sliding_window_frees_blocks_that_leave_the_window() {
+    // Window 8, block 4: once 13 tokens are computed, tokens 0..6 are outside every later
+    // token's window: block 0 (tokens 0..4) is freed and becomes the null block.
+    let mut m = engine(10, vec![window(4, 8)]);
+    let all = hashes(1..5);
+    admit(&mut m, "a", &all, 13);
+    assert_eq!(table(&m, "a", 0), [1, 2, 3, 4]);
+    let running = RequestState { num_computed_tokens: 13, is_waiting: false, ..state(14) };
+    let one = AllocateArgs { num_new_tokens: 1, ..AllocateArgs::default() };
+    m.allocate_slots("a", &running, &one, &CacheHit::empty(1), &all[..]).unwrap().unwrap();
+    assert_eq!(table(&m, "a", 0), [0, 2, 3, 4]);
+    assert_eq!(free_queue(&m)[..2], [5, 6], "the freed block is cached: it goes to the tail");
+    assert_eq!(*free_queue(&m).last().unwrap(), 1);
+}
+
+#[test]
+fn sliding_window_hits_need_only_the_window_and_search_from_the_right() {
+    let mut m = engine(12, vec![window(4, 8)]);
+    let all = hashes(1..5);
+    admit(&mut m, "a", &all, 17); // blocks 1..=5, the first four cached
+    m.free("a");
+    // Fresh blocks go first; then the cached ones, head of the chain first: a request of 28
+    // tokens evicts block 1 (hash 1) only. The window before token 16 needs just the two
+    // blocks holding tokens 8..16, so the hit survives the loss of its head.
+    assert_eq!(free_queue(&m), [5, 6, 7, 8, 9, 10, 11, 4, 3, 2, 1]);
+    admit(&mut m, "fill", &hashes(20..27), 28);
+    let hit = m.lookup(&all[..], 16).unwrap();
+    assert_eq!(hit.num_tokens, 16);
+    assert_eq!(hit.blocks, [vec![0, 0, 3, 4]], "blocks before the window are null");
+}
+
+#[test]
+fn chunked_local_hits_start_at_the_last_chunk() {
+    // Chunk 8, block 4. A 13-token prompt on an empty cache: tokens 0..8 are a finished
+    // chunk no later token reads, so they count as computed with null blocks.
+    let mut m = engine(12, vec![chunked(4, 8)]);
+    let all = hashes(1..5);
+    let hit = admit(&mut m, "a", &all, 13);
+    assert_eq!((hit.blocks, hit.num_tokens), (vec![vec![0, 0]], 8));
+    assert_eq!(table(&m, "a", 0), [0, 0, 1, 2]);
+    m.free("a");
+    // At 15 tokens, block 2 (tokens 8..12) is looked up and cached now.
+    let hit = m.lookup(&all[..], 15).unwrap();
+    assert_eq!((hit.blocks, hit.num_tokens), (vec![vec![0, 0, 1]], 12));
+    // At exactly 16, every block is in a finished chunk.
+    let hit = m.lookup(&all[..], 16).unwrap();
+    assert_eq!((hit.blocks, hit.num_tokens), (vec![vec![0, 0, 0, 0]], 16));
+}
+
+#[test]
+fn hybrid_hits_are_the_longest_prefix_every_group_serves() {
+    // Full attention (group 0) and a window of 8 (group 1), block 4.
+    let mut m = engine(30, vec![full(4), window(4, 8)]);
+    let all = hashes(1..6);
+    admit(&mut m, "a", &all, 21); // 5 blocks each, all 5 cached
+    assert_eq!(table(&m, "a", 0).len(), 6);
+    m.free("a");
+    let hit = m.lookup(&all[..], 20).unwrap();
+    assert_eq!(hit.num_tokens, 20);
+    assert_eq!(hit.blocks[0].len(), 5);
+    assert_eq!(hit.blocks[1][..3], [0, 0, 0], "the window group needs only its last blocks");
+    // A longer prefix cached by full attention only: the hit is what both serve.
+    admit(&mut m, "b", &all[..3], 13);
+    let stored = m.take_events().into_iter().any(|e| matches!(e, ManagerEvent::Stored { .. }));
+    assert!(stored);
+}
+
+#[test]
+fn eagle_drops_the_last_matched_block() {
+    let config =
+        |use_eagle| EngineConfig { use_eagle, ..EngineConfig::single_group(10, 4, 1 << 20) };
+    for (use_eagle, expected) in [(false, 12), (true, 8)] {
+        let mut m = KvCacheManager::new(config(use_eagle)).unwrap();
+        let all = hashes(1..5);
+        admit(&mut m, "a", &all, 17);
+        m.free("a");
+        assert_eq!(m.lookup(&all[..], 12).unwrap().num_tokens, expected);
+    }
+}
+
+#[test]
+fn sparse_retention_registers_only_the_windows_a_replay_can_use() {
+    // Window 8 at block 4: a hit needs 2 blocks under its end. Retention 0: only the tail
+    // before the replay boundary (prompt - 1 = 23, aligned down to 20: blocks 3 and 4) is
+    // registered.
+    let groups = vec![window(4, 8)];
+    let mut m = KvCacheManager::new(EngineConfig {
+        groups,
+        enable_events: true,
+        retention_interval: Some(0),
+        ..EngineConfig::single_group(20, 4, 1 << 20)
+    })
+    .unwrap();
+    let all = hashes(1..7);
+    admit(&mut m, "a", &all, 24);
+    let events = m.take_events();
+    let skipped = events.iter().find_map(|e| match e {
+        ManagerEvent::Stored { skipped, first: 0, end: 6, .. } => Some(skipped.clone()),
+        _ => None,
+    });
+    assert_eq!(skipped, Some(vec![0, 1, 2, 5]));
+    m.free("a");
+    assert_eq!(m.lookup(&all[..], 23).unwrap().num_tokens, 20);
+    assert_eq!(m.lookup(&all[..], 15).unwrap().num_tokens, 0, "no window kept at 12..16");
+}
+
+#[test]
+fn a_failed_allocation_still_frees_blocks_out_of_the_window() {
+    let mut m = engine(5, vec![window(4, 4)]);
+    let all = hashes(1..4);
+    admit(&mut m, "a", &all, 12); // 3 blocks, 1 free
+    let running = RequestState { num_computed_tokens: 12, is_waiting: false, ..state(30) };
+    let big = AllocateArgs { num_new_tokens: 18, ..AllocateArgs::default() };
+    let before = m.num_free_blocks();
+    assert_eq!(m.allocate_slots("a", &running, &big, &CacheHit::empty(1), &all[..]).unwrap(), None);
+    assert_eq!(table(&m, "a", 0), [0, 0, 3]);
+    assert_eq!(m.num_free_blocks(), before + 2);
+}
