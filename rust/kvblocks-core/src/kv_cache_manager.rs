@@ -65,8 +65,18 @@ pub struct AllocateArgs {
     pub reserved_blocks: usize,
     pub full_sequence_must_fit: bool,
     pub delay_cache_blocks: bool,
-    /// `has_scheduled_reqs and request.status in (WAITING, PREEMPTED)`
-    pub apply_watermark: bool,
+    /// vLLM's `has_scheduled_reqs`: some request is already scheduled in this step.
+    pub has_scheduled_reqs: bool,
+    /// The request is being admitted: its status is `WAITING` or `PREEMPTED`.
+    pub waiting_or_preempted: bool,
+}
+
+impl AllocateArgs {
+    /// vLLM's rule: the watermark keeps blocks free only against a waiting or preempted
+    /// request, and only when some request is already scheduled in the step.
+    pub fn applies_watermark(&self) -> bool {
+        self.has_scheduled_reqs && self.waiting_or_preempted
+    }
 }
 
 /// One KV-cache event, in the order the pool produced it. A `Stored` range is described by
@@ -209,7 +219,7 @@ impl KvCacheManager {
         self.check_hits(held, hits)?;
         let local = args.num_computed_tokens.saturating_add(args.num_new_computed_tokens);
         let total = local.min(max_len);
-        let watermark = if args.apply_watermark { self.config.watermark_blocks } else { 0 };
+        let watermark = if args.applies_watermark() { self.config.watermark_blocks } else { 0 };
         let free = self.pool.num_free_blocks();
         if args.full_sequence_must_fit {
             let whole = self.blocks_needed(held, hits, args.num_tokens.min(max_len));
@@ -472,20 +482,33 @@ mod tests {
 
     #[test]
     fn watermark_and_reserved_blocks_keep_headroom() {
-        let mut m = KvCacheManager::new(KvCacheConfig {
-            watermark_blocks: 3,
-            ..manager(6, 4).config().clone()
-        })
-        .unwrap();
-        let mut args =
-            AllocateArgs { num_tokens: 12, num_new_tokens: 12, ..AllocateArgs::default() };
-        args.apply_watermark = true;
-        assert_eq!(m.allocate_slots("a", &args, &[], &[][..]).unwrap(), None); // 3 + 3 > 5
-        args.apply_watermark = false;
+        let fresh = || {
+            KvCacheManager::new(KvCacheConfig {
+                watermark_blocks: 3,
+                ..manager(6, 4).config().clone()
+            })
+            .unwrap()
+        };
+        let mut args = AllocateArgs {
+            num_tokens: 12,
+            num_new_tokens: 12,
+            has_scheduled_reqs: true,
+            waiting_or_preempted: true,
+            ..AllocateArgs::default()
+        };
+        assert_eq!(fresh().allocate_slots("a", &args, &[], &[][..]).unwrap(), None); // 3 + 3 > 5
+                                                                                     // Not against a running request, nor while nothing else is scheduled.
+        for (scheduled, admitting) in [(true, false), (false, true)] {
+            args.has_scheduled_reqs = scheduled;
+            args.waiting_or_preempted = admitting;
+            let new = fresh().allocate_slots("a", &args, &[], &[][..]).unwrap();
+            assert_eq!(new, Some(vec![1, 2, 3]));
+        }
         args.reserved_blocks = 3;
-        assert_eq!(m.allocate_slots("a", &args, &[], &[][..]).unwrap(), None);
+        assert_eq!(fresh().allocate_slots("a", &args, &[], &[][..]).unwrap(), None);
         args.reserved_blocks = 2;
-        assert_eq!(m.allocate_slots("a", &args, &[], &[][..]).unwrap(), Some(vec![1, 2, 3]));
+        let new = fresh().allocate_slots("a", &args, &[], &[][..]).unwrap();
+        assert_eq!(new, Some(vec![1, 2, 3]));
     }
 
     #[test]

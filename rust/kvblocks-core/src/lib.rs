@@ -1,9 +1,12 @@
 //! kvblocks-core: the pure-Rust engine of kvblocks.
 //!
 //! It owns vLLM-compatible chained block hashing ([`hashing`]), the per-request token
-//! buffers that hash new full blocks as tokens arrive ([`TokenSequence`]), and the block pool
-//! and block tables of a prefix-caching KV cache ([`pool`], [`BlockManager`]). Nothing here
-//! knows about Python; the `kvblocks-py` crate is a thin PyO3 layer over this crate.
+//! buffers that hash new full blocks as tokens arrive ([`TokenSequence`]), the block pool
+//! and block tables of a prefix-caching KV cache ([`pool`], [`BlockManager`]), and vLLM
+//! 0.33's KV-cache manager on block hashes the caller owns ([`KvCacheManager`], the engine
+//! under the vLLM plugin's `KVCacheManager`, with vLLM's allocation and watermark rules).
+//! Nothing here knows about Python; the `kvblocks-py` crate is a thin PyO3 layer over this
+//! crate.
 
 mod error;
 mod free_queue;

@@ -21,7 +21,8 @@ pub struct PyKvCacheCore {
     inner: Mutex<KvCacheManager>,
     /// The shared "no blocks" result, returned by identity as vLLM's manager does.
     empty: Py<PyKvCacheBlockIds>,
-    /// The request statuses the watermark applies to (vLLM's WAITING and PREEMPTED).
+    /// vLLM's `RequestStatus.WAITING` and `PREEMPTED`: a request whose status is one of
+    /// these (by identity) is being admitted, which the core's watermark rule reads.
     admitted_statuses: Vec<Py<PyAny>>,
 }
 
@@ -241,10 +242,8 @@ impl PyKvCacheCore {
         let request_id = request.getattr(intern!(py, "request_id"))?;
         let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
-        let apply_watermark = has_scheduled_reqs && {
-            let status = request.getattr(intern!(py, "status"))?;
-            self.admitted_statuses.iter().any(|s| status.is(s.bind(py)))
-        };
+        let status = request.getattr(intern!(py, "status"))?;
+        let waiting_or_preempted = self.admitted_statuses.iter().any(|s| status.is(s.bind(py)));
         let args = AllocateArgs {
             num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
             num_computed_tokens: request.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
@@ -254,7 +253,8 @@ impl PyKvCacheCore {
             reserved_blocks,
             full_sequence_must_fit,
             delay_cache_blocks,
-            apply_watermark,
+            has_scheduled_reqs,
+            waiting_or_preempted,
         };
         let hashes = hashes_arg(&block_hashes)?;
         let new =
