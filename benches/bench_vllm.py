@@ -23,13 +23,14 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm (pip install 'kvblocks[vllm]')")
 
 import kvblocks.vllm
-from kvblocks.vllm.simulate import (
+from kvblocks.vllm.bench_driver import (
     FakeModel,
     SchedulerSpec,
     Workload,
     block_hasher,
     make_request,
     make_scheduler,
+    select_cpu_platform,
     timed_run,
     tiny_model_dir,
 )
@@ -41,6 +42,7 @@ HASHES: dict[tuple[str, str], list[list[bytes]]] = {}
 
 @pytest.fixture
 def installed(request: pytest.FixtureRequest) -> Iterator[str]:
+    select_cpu_platform()  # before install() imports vLLM, which then picks its platform
     impl = request.param
     if impl == "kvblocks":
         kvblocks.vllm.install("all")

@@ -226,7 +226,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         from kvblocks.vllm.bench import IMPLS, compare
-        from kvblocks.vllm.simulate import SchedulerSpec, Workload
+        from kvblocks.vllm.bench_driver import SchedulerSpec, Workload
     except ModuleNotFoundError as e:
         print(f"--engine vllm needs vllm: pip install 'kvblocks[vllm]' ({e})", file=sys.stderr)
         return 2

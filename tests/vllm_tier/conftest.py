@@ -18,7 +18,7 @@ if os.environ.get("KVBLOCKS_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="the vLLM tier needs vllm (pip install 'kvblocks[vllm]')")
 
 import kvblocks.vllm
-from kvblocks.vllm.simulate import write_model_dir
+from kvblocks.vllm.bench_driver import write_model_dir
 
 
 @pytest.fixture(scope="session")

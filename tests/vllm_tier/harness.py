@@ -20,15 +20,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from kvblocks.vllm import _state
-from kvblocks.vllm.simulate import (
-    IMPLS,
-    SchedulerSpec,
-    block_hasher,
-    implementation,
-    make_request,
-    make_scheduler,
-    run,
-)
+from kvblocks.vllm.bench_driver import SchedulerSpec, block_hasher, make_request, make_scheduler
+from tests.vllm_tier.simulation import IMPLS, implementation, run
 
 Hasher = Callable[[Request], list[bytes]]
 T = TypeVar("T")

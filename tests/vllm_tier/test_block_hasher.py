@@ -24,8 +24,8 @@ from vllm.v1.request import Request
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
+from kvblocks.vllm.bench_driver import make_request
 from kvblocks.vllm.block_hasher import ALGORITHMS
-from kvblocks.vllm.simulate import make_request
 
 Hasher = Callable[[Request], list[bytes]]
 

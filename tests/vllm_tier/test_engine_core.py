@@ -32,7 +32,7 @@ from vllm.v1.executor import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-from kvblocks.vllm.simulate import VOCAB_SIZE, model_output, sampled_token, write_model_dir
+from kvblocks.vllm.bench_driver import VOCAB_SIZE, model_output, sampled_token, write_model_dir
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # small enough that the workload below preempts

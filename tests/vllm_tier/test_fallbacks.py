@@ -27,8 +27,7 @@ from vllm.v1.kv_cache_interface import (
 
 import kvblocks.vllm
 from kvblocks.vllm import _state, scheduler
-from kvblocks.vllm.kv_cache_manager import KVCacheManager
-from kvblocks.vllm.simulate import (
+from kvblocks.vllm.bench_driver import (
     MAX_MODEL_LEN,
     SchedulerSpec,
     block_hasher,
@@ -36,8 +35,9 @@ from kvblocks.vllm.simulate import (
     make_request,
     make_scheduler,
     make_vllm_config,
-    run,
 )
+from kvblocks.vllm.kv_cache_manager import KVCacheManager
+from tests.vllm_tier.simulation import run
 
 
 class StockStandIn:

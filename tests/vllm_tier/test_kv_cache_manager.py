@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvblocks.vllm.bench_driver import SchedulerSpec, make_request
 from kvblocks.vllm.block_hasher import ALGORITHMS
-from kvblocks.vllm.simulate import SchedulerSpec, make_request, run
 from tests.vllm_tier.harness import (
     Hasher,
     RequestSpec,
@@ -23,6 +23,7 @@ from tests.vllm_tier.harness import (
     on_each_manager,
     shared_prefix_script,
 )
+from tests.vllm_tier.simulation import run
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)

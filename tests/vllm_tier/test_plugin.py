@@ -14,7 +14,7 @@ from vllm.v1.core import kv_cache_utils
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.simulate import VOCAB_SIZE, SchedulerSpec, block_hasher
+from kvblocks.vllm.bench_driver import VOCAB_SIZE, SchedulerSpec, block_hasher
 from tests.vllm_tier.harness import (
     HASHER_MODULES,
     assert_same,

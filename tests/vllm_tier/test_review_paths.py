@@ -22,9 +22,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvblocks.vllm import _state
+from kvblocks.vllm.bench_driver import SchedulerSpec, make_request, sampled_token
 from kvblocks.vllm.block_hasher import ALGORITHMS
-from kvblocks.vllm.simulate import SchedulerSpec, make_request, run, sampled_token
 from tests.vllm_tier.harness import assert_same, events_spec, on_each_manager
+from tests.vllm_tier.simulation import run
 
 Hasher = Callable[[Request], list[bytes]]
 #: An action run before a step's ``schedule()``: (scheduler, hasher) -> a comparable result.
@@ -38,7 +39,7 @@ def both(
     *,
     lag: int | None = None,
 ) -> tuple[list[Any], list[Any]]:
-    """(stock vLLM's records, kvblocks' records) for one workload: :func:`simulate.run`'s
+    """(stock vLLM's records, kvblocks' records) for one workload: :func:`simulation.run`'s
     records with every action's result, any exception recorded (it ends the run)."""
 
     def play(scheduler: Scheduler, hasher: Hasher) -> list[Any]:

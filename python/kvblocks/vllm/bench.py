@@ -1,5 +1,5 @@
 """``kvblocks bench --engine vllm``: vLLM 0.33's scheduler with and without kvblocks, same
-process, same workload, driven by a fake model on the CPU (see :mod:`kvblocks.vllm.simulate`).
+process, same workload, driven by a fake model on the CPU (see :mod:`kvblocks.vllm.bench_driver`).
 
 Each side runs ``rounds`` times without timers (the median is compared) and once more with a
 timer on every hasher and KV-cache-manager call (where the time goes). The scheduler outputs
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvblocks.vllm
-from kvblocks.vllm.simulate import SchedulerSpec, Timings, Workload, timed_run, tiny_model_dir
+from kvblocks.vllm.bench_driver import SchedulerSpec, Timings, Workload, timed_run, tiny_model_dir
 
 IMPLS = ("vllm", "kvblocks")
 

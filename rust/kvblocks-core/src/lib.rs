@@ -1,9 +1,13 @@
 //! kvblocks-core: the pure-Rust engine of kvblocks.
 //!
 //! It owns vLLM-compatible chained block hashing ([`hashing`]), the per-request token
-//! buffers that hash new full blocks as tokens arrive ([`TokenSequence`]), and the block pool
-//! and block tables of a prefix-caching KV cache ([`pool`], [`BlockManager`]). Nothing here
-//! knows about Python; the `kvblocks-py` crate is a thin PyO3 layer over this crate.
+//! buffers that hash new full blocks as tokens arrive ([`TokenSequence`]), the block pool
+//! ([`pool`]) and the allocation engine over it ([`kv_cache`]: vLLM 0.33's coordinators and
+//! single-type managers, written once), which serves both the vLLM plugin's KV-cache manager
+//! ([`KvCacheManager`], on block hashes the caller owns) and the embedded block manager
+//! ([`BlockManager`], with its own token buffers, copy-on-write and token verification).
+//! Nothing here knows about Python; the `kvblocks-py` crate is a thin PyO3 layer over this
+//! crate.
 
 mod error;
 mod free_queue;

@@ -1,5 +1,16 @@
-//! PyO3 glue for kvblocks: converts arguments, makes one call into `kvblocks-core`, converts
-//! the result. No domain logic lives here.
+//! PyO3 glue for kvblocks: each method converts its arguments into `kvblocks-core`'s types
+//! (checked once here, so the core never sees a Python object), makes one call into the core,
+//! and converts the result. The rules (hashing, allocation, eviction, caching, vLLM's
+//! watermark) are all in the core. What the glue adds to plain conversion:
+//!
+//! - reading a vLLM `Request` in place (`KVCacheCore`, `kv_cache.rs`): its id, token counts,
+//!   `block_hashes`, and whether its status is one of the statuses it was built with (by
+//!   identity); and refusing the `allocate_slots` arguments the core has no field for
+//!   (KV-connector and encoder tokens);
+//! - results in the shapes Python callers expect: `KVCacheCore`'s one shared empty block list,
+//!   returned by identity as vLLM's manager does; `BlockManager`'s events as
+//!   `kvblocks.kv_events` objects; the batched step's numpy arrays (`step.rs`);
+//! - one error type (`errors.rs`) and one lock and GIL-release rule (`sync.rs`).
 
 mod args;
 mod errors;

@@ -1,0 +1,69 @@
+"""The benchmark driver: vLLM 0.33's own V1 scheduler on the CPU, driven by a fake model;
+what ``benches/bench_vllm.py`` and ``kvblocks bench --engine vllm`` run (and what the vLLM
+test tier builds its schedulers with).
+
+No network and no weights: a tiny Llama ``config.json`` written to a directory, a
+``KVCacheConfig`` with one full-attention group, and fake model outputs. The scheduler, its
+KV-cache manager and the request block hasher are vLLM's (or kvblocks', where the plugin is
+installed).
+
+- :mod:`~kvblocks.vllm.bench_driver.config`: vLLM's platform, the tiny model, the
+  ``VllmConfig``, the KV-cache layout and the scheduler;
+- :mod:`~kvblocks.vllm.bench_driver.fake_model`: requests, the fake model's outputs, and what
+  a step decided;
+- :mod:`~kvblocks.vllm.bench_driver.timing`: workloads and timed runs.
+
+Importing the driver imports nothing of vLLM and changes no environment variable; it fails
+with ModuleNotFoundError where vllm is not installed (``kvblocks bench --engine vllm`` says so).
+The first function that builds something of vLLM's selects vLLM's CPU platform
+(:func:`~kvblocks.vllm.bench_driver.config.select_cpu_platform`).
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+from kvblocks.vllm.bench_driver.config import (
+    MAX_MODEL_LEN,
+    VOCAB_SIZE,
+    SchedulerSpec,
+    make_kv_cache_config,
+    make_scheduler,
+    make_vllm_config,
+    select_cpu_platform,
+    tiny_model_dir,
+    write_model_dir,
+)
+from kvblocks.vllm.bench_driver.fake_model import (
+    FakeModel,
+    block_hasher,
+    make_request,
+    model_output,
+    sampled_token,
+    snapshot,
+)
+from kvblocks.vllm.bench_driver.timing import Timings, Workload, timed_run
+
+if find_spec("vllm") is None:  # say it now, not at the first run
+    raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
+
+__all__ = [
+    "MAX_MODEL_LEN",
+    "VOCAB_SIZE",
+    "FakeModel",
+    "SchedulerSpec",
+    "Timings",
+    "Workload",
+    "block_hasher",
+    "make_kv_cache_config",
+    "make_request",
+    "make_scheduler",
+    "make_vllm_config",
+    "model_output",
+    "sampled_token",
+    "select_cpu_platform",
+    "snapshot",
+    "timed_run",
+    "tiny_model_dir",
+    "write_model_dir",
+]

@@ -1,0 +1,194 @@
+"""vLLM's configuration for the driver: the CPU platform, a tiny model, and the scheduler.
+
+Every vLLM configuration the driver (and the vLLM test tier) builds comes from here:
+:class:`SchedulerSpec` names the knobs, :func:`make_vllm_config` turns it into a
+``VllmConfig``, :func:`make_kv_cache_config` into the KV-cache layout, and
+:func:`make_scheduler` into vLLM's own scheduler over both.
+
+vLLM picks its platform once, from ``VLLM_TARGET_DEVICE``, when ``vllm.config`` is first
+imported. The driver wants the CPU platform (it runs only the scheduler, which never touches a
+device, and the PyPI wheel is a CUDA build: without a GPU vLLM finds no platform and a
+``VllmConfig`` cannot infer a device), so nothing here imports vLLM at module level: each
+function first calls :func:`select_cpu_platform`, which sets ``VLLM_TARGET_DEVICE=cpu`` unless
+the caller has set it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+VOCAB_SIZE = 32000
+MAX_MODEL_LEN = 8192
+
+_TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": MAX_MODEL_LEN,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+}
+
+
+@functools.cache
+def select_cpu_platform() -> None:
+    """Sets ``VLLM_TARGET_DEVICE=cpu`` for this process unless it is set already, before the
+    driver's first import of vLLM (see the module's docstring). Raises RuntimeError where
+    vLLM was imported earlier and found no platform: then no ``VllmConfig`` can be built, and
+    the fix is to set ``VLLM_TARGET_DEVICE=cpu`` before anything imports vLLM."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_unspecified():  # not cached: a later call checks again
+        raise RuntimeError(
+            "vLLM was imported before VLLM_TARGET_DEVICE=cpu was set and found no device; "
+            "set VLLM_TARGET_DEVICE=cpu before anything imports vllm"
+        )
+
+
+def write_model_dir(path: Path) -> Path:
+    """Writes the tiny model's ``config.json`` into ``path`` (a directory) and returns it."""
+    (path / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    return path
+
+
+@functools.cache
+def tiny_model_dir() -> Path:
+    """A process-wide temporary directory holding the tiny model's config."""
+    return write_model_dir(Path(tempfile.mkdtemp(prefix="kvblocks-tiny-")))
+
+
+@functools.cache
+def model_config(model_dir: Path) -> ModelConfig:
+    """One ``ModelConfig`` per directory (building one inspects the architecture: slow)."""
+    select_cpu_platform()
+    from vllm.config import ModelConfig
+
+    return ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+    )
+
+
+@dataclass
+class SchedulerSpec:
+    """The knobs the tests turn; everything else is vLLM's default."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+    hash_algo: str = "sha256"
+    enable_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    async_scheduling: bool = False
+    watermark: float = 0.0
+    kv_events: bool = False
+    max_model_len: int = MAX_MODEL_LEN
+    #: More ``SchedulerConfig`` fields (``policy``, ``long_prefill_token_threshold``, ...).
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    #: More ``VllmConfig`` fields.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
+    """The ``VllmConfig`` of ``spec`` for the model in ``model_dir``, on vLLM's CPU platform
+    (:func:`select_cpu_platform`)."""
+    select_cpu_platform()
+    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+
+    scheduler_config = SchedulerConfig(
+        # vLLM needs a token budget of at least one token per sequence.
+        max_num_seqs=min(spec.max_num_seqs, spec.max_num_batched_tokens),
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_model_len=spec.max_model_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+        async_scheduling=spec.async_scheduling,
+        watermark=spec.watermark,
+        **spec.scheduler,
+    )
+    cache_config = CacheConfig(
+        block_size=spec.block_size,
+        enable_prefix_caching=spec.enable_caching,
+        prefix_caching_hash_algo=spec.hash_algo,
+    )
+    cache_config.num_gpu_blocks = spec.num_blocks
+    extra = dict(spec.extra)
+    if spec.kv_events:
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    models = model_config(model_dir)
+    if spec.max_model_len != models.max_model_len:
+        models = copy.copy(models)  # the cached config is shared
+        models.max_model_len = spec.max_model_len
+    return VllmConfig(
+        model_config=models,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        **extra,
+    )
+
+
+def make_kv_cache_config(spec: SchedulerSpec) -> KVCacheConfig:
+    """One full-attention group of ``spec.num_blocks`` blocks."""
+    select_cpu_platform()
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    attention = FullAttentionSpec(
+        block_size=spec.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=spec.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], attention)],
+    )
+
+
+def make_scheduler(
+    model_dir: Path,
+    spec: SchedulerSpec,
+    *,
+    scheduler_cls: type[Scheduler] | None = None,
+    kv_cache_config: KVCacheConfig | None = None,
+) -> Scheduler:
+    """vLLM's scheduler (``AsyncScheduler`` under async scheduling, or ``scheduler_cls``) for
+    ``spec``, on :func:`make_kv_cache_config`'s layout or ``kv_cache_config``."""
+    vllm_config = make_vllm_config(model_dir, spec)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if scheduler_cls is None:
+        scheduler_cls = Scheduler
+        if spec.async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+            scheduler_cls = AsyncScheduler
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config or make_kv_cache_config(spec),
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=spec.block_size,
+    )

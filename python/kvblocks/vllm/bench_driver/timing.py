@@ -1,0 +1,156 @@
+"""Timed runs of vLLM's scheduler: what ``benches/bench_vllm.py`` and
+``kvblocks bench --engine vllm`` measure.
+
+A run adds every request of a :class:`Workload` at once and steps the scheduler to the end
+with the fake model; :class:`Timings` holds the scheduler-side CPU time it took and, in an
+instrumented run, where that time went.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvblocks.vllm.bench_driver.config import VOCAB_SIZE, SchedulerSpec, make_scheduler
+from kvblocks.vllm.bench_driver.fake_model import FakeModel, block_hasher, make_request, snapshot
+from kvblocks.workloads import shared_prefix_prompts
+
+#: The KV-cache manager methods vLLM's scheduler calls, timed by :func:`timed_run`.
+MANAGER_METHODS = (
+    "new_step_starts",
+    "get_computed_blocks",
+    "allocate_slots",
+    "get_blocks",
+    "cache_blocks",
+    "estimate_cached_tokens",
+    "free",
+    "take_events",
+    "take_new_block_ids",
+    "take_kv_cache_block_copies",
+    "take_boundary_state_offloads",
+    "record_prefix_cache_stats",
+    "make_prefix_cache_stats",
+    "reset_prefix_cache",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests that share a prefix: ``num_requests`` prompts of ``prompt_len`` tokens whose
+    first ``shared_len`` tokens are the same, ``output_len`` generated tokens each."""
+
+    num_requests: int = 256
+    prompt_len: int = 2000
+    shared_len: int = 1500
+    output_len: int = 32
+
+    def prompts(self) -> list[list[int]]:
+        own = self.prompt_len - self.shared_len
+        return shared_prefix_prompts(self.num_requests, self.shared_len, own, vocab_size=VOCAB_SIZE)
+
+
+@dataclass
+class Timings:
+    """Scheduler-side CPU time of one run, in seconds."""
+
+    arrival: float = 0.0  # building the requests (hashing their prompts) and add_request
+    hashing: float = 0.0  # inside the request block hasher, at arrival
+    schedule: float = 0.0
+    update: float = 0.0  # update_from_output (appending tokens hashes new full blocks)
+    manager: float = 0.0  # inside the KV-cache manager, during schedule and update
+    manager_calls: dict[str, list[float]] = field(default_factory=dict)  # name -> [calls, s]
+    steps: int = 0
+
+    @property
+    def scheduler(self) -> float:
+        """Request arrival + ``schedule()`` + ``update_from_output()``."""
+        return self.arrival + self.schedule + self.update
+
+
+def _timed(
+    function: Callable[..., Any], slot: list[float], overhead: float | None = None
+) -> Callable[..., Any]:
+    """``function``, adding one call and the seconds it took to ``slot``, minus what the
+    wrapper itself adds inside its timed region (so that a cheap method is not charged for
+    the timer: see :func:`_timer_overhead`)."""
+    clock = time.perf_counter
+    if overhead is None:
+        overhead = _timer_overhead()
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            slot[0] += 1
+            slot[1] += clock() - start - overhead
+
+    return wrapper
+
+
+@functools.cache
+def _timer_overhead() -> float:
+    """The seconds a timed call of a no-op records, measured once: the clock call and the
+    argument forwarding that the wrapper adds to every timed call, with the call shape of
+    the scheduler's most frequent call (``allocate_slots(request, n, num_lookahead_tokens=0)``)."""
+
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    rounds = []
+    for _ in range(5):
+        slot = [0.0, 0.0]
+        timed = _timed(noop, slot, overhead=0.0)
+        target = object()
+        for _ in range(20_000):
+            timed(target, 1, num_lookahead_tokens=0)
+        rounds.append(slot[1] / slot[0])
+    return min(rounds)
+
+
+def timed_run(
+    model_dir: Path, spec: SchedulerSpec, workload: Workload, *, instrument: bool = False
+) -> tuple[Timings, list[tuple[Any, ...]]]:
+    """Adds every request of ``workload`` at once, then steps vLLM's scheduler to the end.
+    Returns the timings and each step's :func:`snapshot` (to check two runs are identical).
+
+    ``instrument`` also times every call of the request block hasher and of the KV-cache
+    manager's methods (``hashing``, ``manager``, ``manager_calls``); the timers slow the run
+    down, so compare totals of runs without them."""
+    timings = Timings()
+    hasher = block_hasher(spec.hash_algo, spec.block_size)
+    hasher_slot = [0.0, 0.0]
+    scheduler = make_scheduler(model_dir, spec)
+    if instrument:
+        hasher = _timed(hasher, hasher_slot)
+        manager = scheduler.kv_cache_manager
+        for name in MANAGER_METHODS:
+            method = getattr(manager, name, None)
+            if method is not None:
+                slot = timings.manager_calls.setdefault(name, [0.0, 0.0])
+                setattr(manager, name, _timed(method, slot))
+    prompts = workload.prompts()
+    model = FakeModel()
+    clock = time.perf_counter
+    start = clock()
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(make_request(f"r{i}", prompt, hasher, max_tokens=workload.output_len))
+    timings.arrival = clock() - start
+    timings.hashing = hasher_slot[1]
+    manager_at_arrival = sum(s for _, s in timings.manager_calls.values())
+    snapshots = []
+    while scheduler.has_requests():
+        start = clock()
+        out = scheduler.schedule()
+        middle = clock()
+        scheduler.update_from_output(out, model.execute(scheduler, out))
+        timings.schedule += middle - start
+        timings.update += clock() - middle
+        timings.steps += 1
+        snapshots.append(snapshot(out))
+    timings.manager = sum(s for _, s in timings.manager_calls.values()) - manager_at_arrival
+    return timings, snapshots

@@ -1,0 +1,50 @@
+"""The benchmark driver picks vLLM's CPU platform itself, when it first builds something of
+vLLM's, not at import: run in a fresh interpreter without ``VLLM_TARGET_DEVICE`` (the tier's
+conftest sets it in this one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kvblocks
+
+CHILD = r"""
+import json, os, sys
+from kvblocks.vllm import bench_driver
+
+state = {"at_import": [os.environ.get("VLLM_TARGET_DEVICE"), "vllm.config" in sys.modules]}
+config = bench_driver.make_vllm_config(bench_driver.tiny_model_dir(), bench_driver.SchedulerSpec())
+from vllm.platforms import current_platform, interface
+
+state["built"] = [os.environ.get("VLLM_TARGET_DEVICE"), current_platform.is_cpu()]
+state["block_size"] = config.cache_config.block_size
+
+# vLLM imported earlier without a device: the driver says what to do instead of building.
+import vllm.platforms
+vllm.platforms.current_platform = interface.UnspecifiedPlatform()
+bench_driver.select_cpu_platform.cache_clear()
+try:
+    bench_driver.select_cpu_platform()
+except RuntimeError as error:
+    state["unspecified"] = str(error)
+print(json.dumps(state))
+"""
+
+
+def test_the_driver_selects_the_cpu_platform_when_it_builds_a_config() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    package_root = str(Path(kvblocks.__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads(done.stdout.splitlines()[-1])
+    assert state["at_import"] == [None, False]  # importing set nothing, chose no platform
+    assert state["built"] == ["cpu", True]
+    assert state["block_size"] == 16
+    assert "set VLLM_TARGET_DEVICE=cpu before" in state["unspecified"]
