@@ -16,6 +16,8 @@ mode = "off"
 active: dict[str, str] = {}
 #: (part, reason) -> how often that part fell back to vLLM's code for that reason.
 fallbacks: Counter[tuple[str, str]] = Counter()
+#: (part, reason) -> what the reason's text leaves out (e.g. which vLLM files changed).
+details: dict[tuple[str, str], str] = {}
 _logged: set[tuple[str, str]] = set()
 
 #: Why a part (or one request) goes to vLLM's own code, by short name.
@@ -45,6 +47,9 @@ REASONS = {
     "scheduler_cls": "a custom scheduler class",
     "encoder_decoder": "an encoder-decoder model",
     "guard_error": "the configuration could not be read",
+    # either part (see kvblocks.vllm.fingerprints)
+    "vllm_sources": "the vLLM sources it reproduces differ from the release it was ported from",
+    "vllm_unknown": "no usable fingerprints of this vLLM release's sources",
 }
 
 
@@ -90,11 +95,20 @@ def activate(part: str, detail: str) -> None:
         logger().info("kvblocks: %s runs on kvblocks (%s)", part, detail)
 
 
-def fall_back(part: str, reason: str) -> None:
+def describe(part: str, reason: str) -> str:
+    """The text of a reason, with the details of the part's last fallback for it."""
+    text = REASONS.get(reason, reason)
+    detail = details.get((part, reason))
+    return f"{text} ({detail})" if detail else text
+
+
+def fall_back(part: str, reason: str, detail: str | None = None) -> None:
     """Counts a fallback to vLLM's own code; the first one of each kind is logged."""
     fallbacks[(part, reason)] += 1
+    if detail:
+        details[(part, reason)] = detail
     if (part, reason) not in _logged:
         _logged.add((part, reason))
         logger().info(
-            "kvblocks: %s falls back to vLLM's own code: %s", part, REASONS.get(reason, reason)
+            "kvblocks: %s falls back to vLLM's own code: %s", part, describe(part, reason)
         )
