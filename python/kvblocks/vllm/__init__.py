@@ -11,7 +11,8 @@ Control: the environment variable ``KVBLOCKS_VLLM`` = ``all`` (the default: ever
 supports the configuration), ``hasher`` (only the block hasher) or ``off``; or, in a notebook
 or a test, :func:`install` / :func:`uninstall`; or ``--scheduler-cls kvblocks.vllm.Scheduler``
 (``AsyncScheduler``) for the manager explicitly. :func:`status` says what is active in this
-process and why anything fell back. Importing this module does not import vLLM.
+process and why anything fell back. Each part runs only on the exact vLLM sources it was
+ported from (:mod:`kvblocks.vllm.fingerprints`). Importing this module does not import vLLM.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def status() -> Status:
         vllm_version=_vllm_version(),
         active=dict(_state.active),
         fallbacks={
-            f"{part}: {_state.REASONS.get(reason, reason)}": count
+            f"{part}: {_state.describe(part, reason)}": count
             for (part, reason), count in _state.fallbacks.items()
         },
     )
@@ -115,7 +116,9 @@ def install(mode: str = "all") -> Status:
     """Installs kvblocks' parts into this process's vLLM (``mode`` as ``KVBLOCKS_VLLM``).
 
     Replaces what a previous call installed. Raises ``ValueError`` for an unknown mode and
-    ``ImportError`` when vLLM is missing or outside :data:`SUPPORTED_VLLM`.
+    ``ImportError`` when vLLM is missing or outside :data:`SUPPORTED_VLLM`. A part whose vLLM
+    sources differ from those it was ported from (:mod:`kvblocks.vllm.fingerprints`) is not
+    installed: it falls back, with one log line naming the files, and :func:`status` says so.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -128,6 +131,27 @@ def install(mode: str = "all") -> Status:
     if not _supported(version):
         low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
         raise ImportError(f"kvblocks.vllm supports vllm >= {low}, < {high}; found {version}")
+    from kvblocks.vllm import fingerprints
+
+    # A part whose vLLM sources are not the ones it was ported from leaves vLLM's code in place.
+    stale = fingerprints.check(version)
+    if "hasher" in stale:
+        _state.fall_back("hasher", *stale["hasher"])
+    else:
+        _install_hasher()
+    if mode == "all":
+        if "kv_cache_manager" in stale:
+            _state.fall_back("kv_cache_manager", *stale["kv_cache_manager"])
+        else:
+            from kvblocks.vllm import scheduler
+
+            scheduler.install()
+    _state.mode = mode
+    _state.logger().info("kvblocks: installed into vLLM %s (mode=%s)", version, mode)
+    return status()
+
+
+def _install_hasher() -> None:
     from vllm.v1.core import kv_cache_utils
 
     from kvblocks.vllm.block_hasher import get_request_block_hasher
@@ -138,13 +162,6 @@ def install(mode: str = "all") -> Status:
     engine_core = sys.modules.get("vllm.v1.engine.core")
     if engine_core is not None:
         _state.patch(engine_core, "get_request_block_hasher", get_request_block_hasher)
-    if mode == "all":
-        from kvblocks.vllm import scheduler
-
-        scheduler.install()
-    _state.mode = mode
-    _state.logger().info("kvblocks: installed into vLLM %s (mode=%s)", version, mode)
-    return status()
 
 
 def uninstall() -> Status:

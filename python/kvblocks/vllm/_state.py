@@ -17,6 +17,8 @@ mode = "off"
 active: dict[str, str] = {}
 #: (part, reason) -> how often that part fell back to vLLM's code for that reason.
 fallbacks: Counter[tuple[str, str]] = Counter()
+#: (part, reason) -> what the reason's text leaves out (e.g. which vLLM files changed).
+details: dict[tuple[str, str], str] = {}
 _logged: set[tuple[str, str]] = set()
 
 
@@ -50,6 +52,9 @@ class Reason(StrEnum):
     MANAGER_ARGUMENT = "manager_argument"
     VLLM_REJECTS = "vllm_rejects"
     GUARD_ERROR = "guard_error"
+    # either part (see kvblocks.vllm.fingerprints)
+    VLLM_SOURCES = "vllm_sources"
+    VLLM_UNKNOWN = "vllm_unknown"
 
     @property
     def text(self) -> str:
@@ -84,6 +89,9 @@ _TEXTS = {
     Reason.MANAGER_ARGUMENT: "a KVCacheManager argument kvblocks does not know",
     Reason.VLLM_REJECTS: "a configuration vLLM's own manager rejects (vLLM raises its error)",
     Reason.GUARD_ERROR: "the configuration could not be read",
+    Reason.VLLM_SOURCES: "the vLLM sources it reproduces differ from the release it was ported "
+    "from",
+    Reason.VLLM_UNKNOWN: "no usable fingerprints of this vLLM release's sources",
 }
 
 #: Short name -> text, for every :class:`Reason`.
@@ -132,11 +140,20 @@ def activate(part: str, detail: str) -> None:
         logger().info("kvblocks: %s runs on kvblocks (%s)", part, detail)
 
 
-def fall_back(part: str, reason: str) -> None:
+def describe(part: str, reason: str) -> str:
+    """The text of a reason, with the details of the part's last fallback for it."""
+    text = REASONS.get(reason, reason)
+    detail = details.get((part, reason))
+    return f"{text} ({detail})" if detail else text
+
+
+def fall_back(part: str, reason: str, detail: str | None = None) -> None:
     """Counts a fallback to vLLM's own code; the first one of each kind is logged."""
     fallbacks[(part, reason)] += 1
+    if detail:
+        details[(part, reason)] = detail
     if (part, reason) not in _logged:
         _logged.add((part, reason))
         logger().info(
-            "kvblocks: %s falls back to vLLM's own code: %s", part, REASONS.get(reason, reason)
+            "kvblocks: %s falls back to vLLM's own code: %s", part, describe(part, reason)
         )

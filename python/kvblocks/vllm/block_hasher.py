@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvblocks._core import BlockHasher
-from kvblocks.vllm import _state
+from kvblocks.vllm import _state, fingerprints
 
 #: vLLM's hash functions (``vllm.utils.hashing``) by the kvblocks algorithm of the same name.
 ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -143,6 +143,10 @@ def get_request_block_hasher(
     stock: RequestBlockHasher = vllm_factory(
         hash_block_size, caching_hash_fn, num_hash_lookahead_tokens
     )
+    stale = fingerprints.check().get("hasher")
+    if stale is not None:  # not the vLLM sources kvblocks' hasher was ported from
+        _state.fall_back("hasher", *stale)
+        return stock
     if num_hash_lookahead_tokens:
         _state.fall_back("hasher", "lookahead")
         return stock

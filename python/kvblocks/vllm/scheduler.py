@@ -27,7 +27,7 @@ from typing import Any
 from vllm.v1.core.sched import async_scheduler as _async_scheduler_module
 from vllm.v1.core.sched import scheduler as _scheduler_module
 
-from kvblocks.vllm import _state
+from kvblocks.vllm import _state, fingerprints
 from kvblocks.vllm._state import Reason
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from kvblocks.vllm.support import Unsupported, unsupported_config
@@ -54,6 +54,10 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     """Stands where vLLM's scheduler module names ``KVCacheManager``."""
     vllm_config = getattr(_building, "vllm_config", None)
     if vllm_config is None:
+        return _vllm_manager_class()(**kwargs)
+    stale = fingerprints.check().get("kv_cache_manager")
+    if stale is not None:  # not the vLLM sources kvblocks' manager was ported from
+        _state.fall_back("kv_cache_manager", *stale)
         return _vllm_manager_class()(**kwargs)
     try:
         reason = unsupported_config(vllm_config, allowed_scheduler_cls=(Scheduler, AsyncScheduler))

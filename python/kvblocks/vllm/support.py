@@ -186,3 +186,42 @@ def _is_allowed(scheduler_cls: Any, allowed: tuple[Any, ...]) -> bool:
             f"kvblocks.vllm.{c.__qualname__}" for c in allowed
         }
     return scheduler_cls in allowed
+
+
+#: Members of vLLM's KV-cache manager objects that kvblocks' manager does not have, each with
+#: the refused configurations (keys of ``kvblocks.vllm._state.REASONS``) under which vLLM code
+#: reads it; in every configuration kvblocks accepts, nothing reads them.
+#: ``tests/vllm_tier/test_completeness.py`` walks vLLM's ``KVCacheManager`` and
+#: ``KVCacheBlocks`` and what vLLM reads of the coordinator and its single-type managers, and
+#: requires each member to be implemented or listed here (and no listed one implemented).
+#: Members no vLLM code outside the manager calls are listed under the two holders of a
+#: manager kvblocks refuses: KV connectors (``bind_kv_cache_manager``) and custom schedulers.
+UNREACHABLE: dict[str, tuple[str, ...]] = {
+    # The block pool: connectors bind it; the auxiliary-output connector reads it; the
+    # scheduler frees deferred (connector) and copy-on-write blocks into it.
+    "KVCacheManager.block_pool": ("kv_connector", "aux_output"),
+    # The scheduler's KV-connector paths: connector-side hits, deferred frees, finished
+    # requests handed to the connector, failed loads.
+    "KVCacheManager.get_computed_blocks_for_connector": ("kv_connector",),
+    "KVCacheManager.truncate_computed_blocks": ("kv_connector",),
+    "KVCacheManager.pop_blocks_for_free": ("kv_connector",),
+    "KVCacheManager.get_block_ids_for_computed_tokens": ("kv_connector",),
+    "KVCacheManager.finalize_partial_tail_offloads": ("kv_connector",),
+    "KVCacheManager.record_blocks_for_zeroing": ("kv_connector",),
+    "KVCacheManager.evict_blocks": ("kv_connector",),
+    "KVCacheManager.create_kv_cache_blocks": ("kv_connector", "scheduler_cls"),
+    # What connectors read of the blocks they are handed (and the scheduler, for a connector's
+    # in-flight loads).
+    "KVCacheBlocks.blocks": ("kv_connector",),
+    "KVCacheBlocks.get_unhashed_block_ids": ("kv_connector",),
+    "KVCacheBlocks.get_unhashed_block_ids_all_groups": ("kv_connector",),
+    "KVCacheBlocks.new_empty": ("kv_connector", "scheduler_cls"),
+    "KVCacheBlocks.__add__": ("kv_connector", "scheduler_cls"),
+    # The coordinator: the scheduler's reservation for in-flight async loads, the HiSparse
+    # and offloading connectors.
+    "coordinator.get_num_blocks_to_allocate": ("kv_connector",),
+    "coordinator.num_reprefillable_tokens": ("kv_connector",),
+    "coordinator.find_longest_cache_hit_per_group": ("kv_connector",),
+    # A group's block pool: the UMBP connector and the auxiliary-output connector.
+    "single_type_manager.block_pool": ("kv_connector", "aux_output"),
+}

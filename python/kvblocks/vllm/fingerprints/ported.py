@@ -1,0 +1,168 @@
+"""Which vLLM source each kvblocks part reproduces: what the fingerprints cover.
+
+A part is exact only while these sources are the ones it was ported from. Granularity:
+a whole file where kvblocks ports the file wholesale (an edit anywhere in it may change a
+rule kvblocks reproduces); named objects where a large file holds much that kvblocks does
+not port (unrelated edits there are common and must not turn kvblocks off); and, for vLLM's
+scheduler, the statements that name the manager (kvblocks must answer every call the
+scheduler makes, with the arguments it passes, but the scheduler's own decisions around those
+calls are vLLM's code in both cases). What a part only calls, as vLLM's own manager would
+call it (``generate_block_hash_extra_keys`` for events, ``get_kv_cache_spec_kind``), is not
+covered: a change there reaches both sides alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source file of the vllm package, and what of it a part depends on."""
+
+    #: Relative to the directory holding the ``vllm`` package, e.g. ``vllm/v1/request.py``.
+    path: str
+    #: Objects (``"name"`` or ``"Class.name"``); empty with no ``mentions``: the whole file.
+    objects: tuple[str, ...] = ()
+    #: Words: the statements of each function or method that name one of them.
+    mentions: tuple[str, ...] = ()
+
+    @property
+    def whole_file(self) -> bool:
+        return not self.objects and not self.mentions
+
+
+_KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
+_REQUEST = "vllm/v1/request.py"
+
+#: part -> the sources it reproduces. The parts are those of ``kvblocks.vllm.status()``.
+PORTED: dict[str, tuple[Source, ...]] = {
+    "hasher": (
+        # The four hash functions, whose serialization kvblocks' Rust encoders reproduce
+        # byte for byte; a small file.
+        Source("vllm/utils/hashing.py"),
+        # The chained block hash, NONE_HASH and its seed, the extra keys: the hashing half
+        # of a file whose other half is the block pool's data structures. The lookahead
+        # extra keys are left out: with lookahead kvblocks hands the request to vLLM.
+        Source(
+            _KV_CACHE_UTILS,
+            objects=(
+                "NONE_HASH",
+                "DEFAULT_NONE_HASH_SEED",
+                "_NON_CRYPTO_HASH_FUNCTIONS",
+                "_NONE_HASH_SEED",
+                "resolve_none_hash_seed",
+                "get_none_hash_seed",
+                "init_none_hash",
+                "hash_block_tokens",
+                "get_request_block_hasher",
+                "generate_block_hash_extra_keys",
+                "_gen_mm_extra_hash_keys",
+                "_gen_lora_extra_hash_keys",
+                "_gen_prompt_embeds_extra_hash_keys",
+            ),
+        ),
+        # Where vLLM resumes the multimodal scan of a partly hashed request.
+        Source("vllm/multimodal/utils.py", objects=("get_mm_features_in_window",)),
+        # What the hasher reads of a request and when vLLM calls it: the token list behind
+        # ``all_token_ids``, ``num_tokens``, and ``block_hashes`` extended by its result.
+        Source(
+            _REQUEST,
+            objects=(
+                "Request.__init__",
+                "Request.append_output_token_ids",
+                "Request.update_block_hashes",
+                "Request.num_tokens",
+            ),
+        ),
+        # How EngineCore seeds NONE_HASH and builds the hasher.
+        Source("vllm/v1/engine/core.py", mentions=("get_request_block_hasher", "init_none_hash")),
+    ),
+    "kv_cache_manager": (
+        # kvblocks' manager replaces this file's KVCacheManager (and its KVCacheBlocks)
+        # wholesale, borrowing four of its methods.
+        Source("vllm/v1/core/kv_cache_manager.py"),
+        # The pool's rules (free queue order, lazy eviction, the hash map, events), ported
+        # wholesale to Rust.
+        Source("vllm/v1/core/block_pool.py"),
+        # The coordinators (unitary, hybrid, no prefix cache) and the replay boundaries:
+        # ported wholesale.
+        Source("vllm/v1/core/kv_cache_coordinator.py"),
+        # The managers of the kinds kvblocks implements, of a file with a dozen managers.
+        Source(
+            "vllm/v1/core/single_type_kv_cache_manager.py",
+            objects=(
+                "SingleTypeKVCacheManager",
+                "FullAttentionManager",
+                "SlidingWindowManager",
+                "ChunkedLocalAttentionManager",
+                "get_manager_for_kv_cache_spec",
+                "register_all_kvcache_specs",
+            ),
+        ),
+        # Which manager vLLM gives a spec (the guard asks it).
+        Source("vllm/v1/kv_cache_spec_registry.py"),
+        # The block, the free queue and the block-hash helpers.
+        Source(
+            _KV_CACHE_UTILS,
+            objects=(
+                "BlockHash",
+                "BlockHashWithGroupId",
+                "make_block_hash_with_group_id",
+                "get_block_hash",
+                "get_group_id",
+                "maybe_convert_block_hash",
+                "KVCacheBlock",
+                "null_head_len",
+                "trim_null_head",
+                "FreeKVCacheBlockQueue",
+                "resolve_block_hashes",
+                "BlockHashListWithBlockSize",
+                "eagle_proof_margin",
+                "partial_hash_hits_enabled",
+            ),
+        ),
+        # The events kvblocks builds, field by field.
+        Source(
+            "vllm/distributed/kv_events.py",
+            objects=(
+                "KVCacheEvent",
+                "MEDIUM_GPU",
+                "BlockStored",
+                "BlockRemoved",
+                "AllBlocksCleared",
+            ),
+        ),
+        # The statistics kvblocks records.
+        Source("vllm/v1/metrics/stats.py", objects=("BaseCacheStats", "PrefixCacheStats")),
+        # The configuration the guard reads (a new field there may be a rule it ignores).
+        Source(
+            "vllm/v1/kv_cache_interface.py",
+            objects=(
+                "KVCacheSpec",
+                "AttentionSpec",
+                "FullAttentionSpec",
+                "MLAAttentionSpec",
+                "SlidingWindowSpec",
+                "SlidingWindowMLASpec",
+                "ChunkedLocalAttentionSpec",
+                "KVCacheGroupRole",
+                "KVCacheGroupSpec",
+                "KVCacheConfig",
+            ),
+        ),
+        # Every call the scheduler makes into its manager, and how it builds it.
+        Source("vllm/v1/core/sched/scheduler.py", mentions=("kv_cache_manager", "KVCacheManager")),
+        Source("vllm/v1/core/sched/async_scheduler.py"),
+        # What EngineCore reads of the manager.
+        Source(
+            "vllm/v1/engine/core.py",
+            objects=(
+                "EngineCore._initialize_effective_attention_block_size",
+                "EngineCore.get_kv_cache_group_metadata",
+            ),
+        ),
+        # The request fields the manager reads, and the statuses it admits.
+        Source(_REQUEST, objects=("Request.__init__", "Request.num_tokens", "RequestStatus")),
+    ),
+}
