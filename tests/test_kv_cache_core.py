@@ -120,6 +120,16 @@ def test_bad_input_changes_nothing() -> None:
         KVCacheCore(0, 4, max_model_len=8)
     with pytest.raises(ValueError):
         KVCacheCore(8, 0, max_model_len=8)
+    with pytest.raises(ValueError):
+        KVCacheCore(num_blocks=8, block_size=0, max_model_len=8)
+
+
+def test_sizes_by_keyword_or_by_position() -> None:
+    for c in (
+        KVCacheCore(num_blocks=12, block_size=4, max_model_len=8),
+        KVCacheCore(12, 4, max_model_len=8),
+    ):
+        assert (c.num_blocks, c.block_size, c.num_free_blocks) == (12, 4, 11)
 
 
 def test_refusal_when_full_changes_nothing() -> None:

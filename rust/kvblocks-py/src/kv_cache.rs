@@ -119,7 +119,7 @@ impl PyKvCacheCore {
 impl PyKvCacheCore {
     #[new]
     #[pyo3(signature = (
-        num_blocks, block_size, /, *, max_model_len, enable_caching = true,
+        num_blocks, block_size, *, max_model_len, enable_caching = true,
         enable_events = false, watermark_blocks = 0, admitted_statuses = Vec::new()
     ))]
     #[allow(clippy::too_many_arguments)]
