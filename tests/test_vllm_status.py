@@ -1,0 +1,55 @@
+"""``kvblocks.vllm.status()`` before and after vLLM loads the plugin; needs no vLLM (each case
+runs in a fresh process, where nothing has loaded the plugin yet)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+
+SOURCE = str(Path(__file__).resolve().parents[1] / "python")
+
+
+def fresh_process(code: str, kvblocks_vllm: str | None) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVBLOCKS_VLLM"}
+    if kvblocks_vllm is not None:
+        env["KVBLOCKS_VLLM"] = kvblocks_vllm
+    # This checkout's kvblocks, whatever is installed.
+    env["PYTHONPATH"] = os.pathsep.join([SOURCE, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", "import kvblocks.vllm as v\n" + code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return out.stdout.splitlines()
+
+
+def installed_vllm() -> str | None:
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+@pytest.mark.parametrize(("env", "mode"), [(None, "all"), ("hasher", "hasher"), (" OFF ", "off")])
+def test_a_fresh_process_says_vllm_has_not_loaded_it_yet(env: str | None, mode: str) -> None:
+    lines = fresh_process("print(v.status())\nprint(v.status().mode)", env)
+    assert lines == [
+        "kvblocks.vllm: not loaded yet: vLLM loads kvblocks when an engine starts; "
+        f"KVBLOCKS_VLLM={mode}, vllm {installed_vllm()}",
+        "off",  # the mode installed: none yet
+    ]
+
+
+def test_once_loaded_off_or_uninstalled_it_says_mode_off() -> None:
+    # register() is what vLLM's plugin loader calls; with "off" it installs nothing.
+    lines = fresh_process("v.register()\nprint(v.status())\nprint(v.status().pending_mode)", "off")
+    assert lines == [f"kvblocks.vllm: mode=off, vllm {installed_vllm()}: nothing active", "None"]
+    lines = fresh_process("v.uninstall()\nprint(v.status())", None)
+    assert lines == [f"kvblocks.vllm: mode=off, vllm {installed_vllm()}: nothing active"]
