@@ -19,15 +19,13 @@ import importlib.util
 import itertools
 import os
 import re
-import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-import kvblocks
+from tests.fresh_process import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -87,11 +85,6 @@ def fenced_blocks(path: Path) -> list[Block]:
 PYTHON_BLOCKS = [b for path in DOCS for b in fenced_blocks(path) if b.lang == "python"]
 
 
-def kvblocks_path() -> str:
-    """The directory the running tests import kvblocks from: the blocks import the same."""
-    return str(Path(kvblocks.__file__).resolve().parents[1])
-
-
 def skip_unless_installed(names: list[str]) -> None:
     for name in names:
         assert name in OPTIONAL, f"unknown requirement {name!r} (known: {OPTIONAL})"
@@ -111,17 +104,7 @@ def test_the_docs_have_python_blocks() -> None:
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.name)
 def test_python_block_runs_as_written(block: Block, tmp_path: Path) -> None:
     skip_unless_installed(block.requires())
-    # A new user's environment: no kvblocks or vLLM plugin settings.
-    env = {k: v for k, v in os.environ.items() if k not in ("KVBLOCKS_VLLM", "VLLM_PLUGINS")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (kvblocks_path(), env.get("PYTHONPATH")) if p)
-    run = subprocess.run(
-        [sys.executable, "-c", block.code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
+    run = run_python(block.code, cwd=tmp_path)
     printed = run.stdout + run.stderr
     assert run.returncode == 0, f"{block.name} failed:\n{printed[-4000:]}"
     if block.output is not None:

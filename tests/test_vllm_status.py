@@ -3,30 +3,17 @@ runs in a fresh process, where nothing has loaded the plugin yet)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 import pytest
 
-SOURCE = str(Path(__file__).resolve().parents[1] / "python")
+from tests.fresh_process import run_python
 
 
 def fresh_process(code: str, kvblocks_vllm: str | None) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k != "KVBLOCKS_VLLM"}
-    if kvblocks_vllm is not None:
-        env["KVBLOCKS_VLLM"] = kvblocks_vllm
-    # This checkout's kvblocks, whatever is installed.
-    env["PYTHONPATH"] = os.pathsep.join([SOURCE, env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, "-c", "import kvblocks.vllm as v\n" + code],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
+    env = {} if kvblocks_vllm is None else {"KVBLOCKS_VLLM": kvblocks_vllm}
+    out = run_python("import kvblocks.vllm as v\n" + code, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.splitlines()
 
 
