@@ -89,6 +89,81 @@ def test_eos_and_validation() -> None:
         llm.generate([[1, 2, 101]])
 
 
+@pytest.mark.parametrize(
+    ("prompts", "error", "message"),
+    [
+        # Strings are not token ids, even when int() would read them.
+        (["12", "34"], TypeError, "prompt 0: token ids must be integers, got str at index 0"),
+        (["hello"], TypeError, "prompt 0: token ids must be integers, got str at index 0"),
+        ("hello", TypeError, "prompts must be token ids or a list of them, got str"),
+        ([[1, 2], ["3"]], TypeError, "prompt 1: token ids must be integers, got str at index 0"),
+        ([1.7, 2.2], TypeError, "prompt 0: token ids must be integers, got float at index 0"),
+        (
+            [[5, 6], [7, 8.0]],
+            TypeError,
+            "prompt 1: token ids must be integers, got float at index 1",
+        ),
+        ([1, True], TypeError, "prompt 0: token ids must be integers, got bool at index 1"),
+        (
+            [[1], [np.bool_(True)]],
+            TypeError,
+            "prompt 1: token ids must be integers, got bool at index 0",
+        ),
+        ([1, [2, 3]], TypeError, "prompt 0: token ids must be integers, got list at index 1"),
+        ([[1, 2], 3], TypeError, "prompt 1 must be a list of token ids, got int"),
+        (
+            [np.array([1.5, 2.0])],
+            TypeError,
+            "prompt 0: token ids must have an integer dtype, got float64",
+        ),
+        (
+            np.array([True, False]),
+            TypeError,
+            "prompt 0: token ids must have an integer dtype, got bool",
+        ),
+        (
+            np.zeros((2, 2, 2), dtype=np.int64),
+            ValueError,
+            "prompt 0: token ids must be a 1-D array",
+        ),
+        ([], ValueError, "no prompts given"),
+        ([[1, 2], []], ValueError, "prompt 1 is empty"),
+        ([[1, 2], [3, 101]], ValueError, "prompt 1: token id 101 at index 1 is outside"),
+        ([[1, 2], [-1]], ValueError, "prompt 1: token id -1 at index 0 is outside"),
+    ],
+)
+def test_generate_refuses_what_is_not_token_ids(prompts: Any, error: type, message: str) -> None:
+    llm = LLM(MODEL, block_size=4)
+    before = llm.manager.debug_state()
+    with pytest.raises(error) as info:
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert str(info.value).startswith(message)
+    assert llm.manager.debug_state() == before
+    assert len(llm.manager) == 0  # nothing was scheduled
+
+
+def test_generate_takes_lists_tuples_and_integer_arrays_alike() -> None:
+    params = SamplingParams(max_tokens=3)
+    expected = tokens(LLM(MODEL, block_size=4).generate(PROMPTS[:2], params))
+    as_arrays = [
+        np.array(p, dtype=dtype)
+        for p, dtype in zip(PROMPTS[:2], (np.int64, np.uint32), strict=True)
+    ]
+    for prompts in (
+        as_arrays,
+        [tuple(p) for p in PROMPTS[:2]],
+        [[np.int32(t) for t in p] for p in PROMPTS[:2]],
+    ):
+        assert tokens(LLM(MODEL, block_size=4).generate(prompts, params)) == expected
+    one = LLM(MODEL, block_size=4).generate(np.array(PROMPTS[0]), params)  # one prompt
+    assert tokens(one) == expected[:1]
+    same_length = np.array([PROMPTS[0][:20], PROMPTS[1][:20]])  # a 2-D array: one per row
+    rows = LLM(MODEL, block_size=4).generate(same_length, params)
+    assert tokens(rows) == tokens(
+        LLM(MODEL, block_size=4).generate([PROMPTS[0][:20], PROMPTS[1][:20]], params)
+    )
+
+
 def test_cli_bench(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--help"])

@@ -188,3 +188,12 @@ def test_block_ids_results() -> None:
     assert fresh is not None
     fresh[0].append(9)  # a fresh list each call, as vLLM's
     assert ids.get_block_ids()[0] == [3, 1, 2]
+
+
+def test_sizes_by_keyword_or_by_position() -> None:
+    groups = [KVCacheGroup(kind="full", block_size=4)]
+    for c in (
+        KVCacheCore(num_blocks=12, groups=groups, lookup_sets=[[0]], max_model_len=8),
+        KVCacheCore(12, groups, lookup_sets=[[0]], max_model_len=8),
+    ):
+        assert (c.num_blocks, c.num_groups, c.num_free_blocks) == (12, 1, 11)

@@ -216,6 +216,36 @@ def test_bad_constructor_arguments(
         impl.BlockManager(*args, **kwargs)
 
 
+def test_sizes_by_keyword_or_by_position(impl: ModuleType) -> None:
+    # The README's first call, as vLLM and most Python APIs take sizes.
+    by_keyword = impl.BlockManager(num_blocks=4096, block_size=16, enable_events=True)
+    by_position = impl.BlockManager(4096, 16, enable_events=True)
+    mixed = impl.BlockManager(4096, block_size=16)
+    for m in (by_keyword, by_position, mixed):
+        assert (m.num_blocks, m.block_size, m.num_free_blocks) == (4096, 16, 4095)
+    with pytest.raises(TypeError):
+        impl.BlockManager(4096, 16, True)  # the options stay keyword-only
+    with pytest.raises(TypeError):
+        impl.BlockManager(4096, num_blocks=4096, block_size=16)
+
+
+@pytest.mark.parametrize("request_id", ["req-1", "it's", 'say "hi"', "tab\there", "ünï", ""])
+def test_key_errors_quote_the_id_once_as_repr_does(impl: ModuleType, request_id: str) -> None:
+    m = impl.BlockManager(8, 4)
+    with pytest.raises(KeyError) as info:
+        m.get_block_ids(request_id)
+    assert info.value.args == (f"unknown request id {request_id!r}",)
+    handle = m.add_request(request_id, [1, 2])
+    for duplicate in (lambda: m.add_request(request_id, [3]), lambda: m.fork(handle, request_id)):
+        with pytest.raises(KeyError) as info:
+            duplicate()
+        assert info.value.args == (f"request id {request_id!r} already exists",)
+    m.remove_request(handle)
+    with pytest.raises(KeyError) as info:
+        m.get_block_ids(handle)
+    assert info.value.args == (f"unknown request handle {handle}",)
+
+
 def test_a_preempted_request_hits_its_own_blocks(impl: ModuleType) -> None:
     m = impl.BlockManager(10, 4)
     admit(m, "a", list(range(10)))

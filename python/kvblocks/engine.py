@@ -16,6 +16,7 @@ import torch
 import kvblocks
 import kvblocks.reference
 from kvblocks.model import LlamaConfig, LlamaForCausalLM, load_pretrained
+from kvblocks.prompts import Prompts, checked_prompts
 from kvblocks.runtime import ModelRunner
 from kvblocks.scheduler import Scheduler, SchedulerOutput, Sequence
 from kvblocks.step import BlockManagerProtocol
@@ -175,14 +176,18 @@ class LLM:
 
     def generate(
         self,
-        prompt_token_ids: list[list[int]] | list[int],
+        prompt_token_ids: Prompts,
         sampling_params: SamplingParams | None = None,
         *,
         progress: Callable[[int, int], None] | None = None,
     ) -> list[RequestOutput]:
-        """One result per prompt; ``progress(finished, total)`` is called after each step."""
+        """One result per prompt (one prompt of token ids, or a list of them: lists, tuples or
+        1-D integer numpy arrays); ``progress(finished, total)`` is called after each step.
+        Anything but integer token ids in the vocabulary raises ``TypeError`` or
+        ``ValueError`` naming the prompt and the position, before anything is scheduled."""
         params = sampling_params or SamplingParams()
-        prompts = self._checked_prompts(prompt_token_ids)
+        # Engine input, neither bookkeeping nor model time.
+        prompts = checked_prompts(prompt_token_ids, self.model.config.vocab_size)
         try:
             requests = self._add_requests(prompts, params)
             while self.scheduler.has_unfinished():
@@ -200,17 +205,6 @@ class LLM:
             self.stats.prefix_hits += snapshot.hits + snapshot.preempted_hits
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return [r.output() for r in requests]
-
-    def _checked_prompts(self, prompt_token_ids: list[list[int]] | list[int]) -> list[list[int]]:
-        """The prompts as lists of ints in the vocabulary (engine input, not bookkeeping)."""
-        nested = bool(prompt_token_ids) and isinstance(prompt_token_ids[0], list)
-        raw = prompt_token_ids if nested else [prompt_token_ids]
-        prompts = [[int(t) for t in p] for p in raw]  # type: ignore[union-attr, arg-type]
-        vocab = self.model.config.vocab_size
-        for prompt in prompts:
-            if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"prompts must be non-empty token ids in [0, {vocab})")
-        return prompts
 
     def _add_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[_Request]:
         """Adds one sequence per prompt to the scheduler (timed as bookkeeping)."""

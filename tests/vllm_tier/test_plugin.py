@@ -127,14 +127,16 @@ def test_import_kvblocks_does_not_import_vllm() -> None:
 
 def test_fresh_process_with_engine_core(tmp_path: Path) -> None:
     """In a new process, as in an engine-core process: vLLM imports EngineCore (binding the
-    name), then loads plugins; the bound name is replaced too."""
+    name), then loads plugins; the bound name is replaced too, and status() says "not
+    loaded yet" only before."""
     code = (
         "import vllm.v1.engine.core as core\n"
+        "import kvblocks.vllm\n"
+        "print(kvblocks.vllm.status().pending_mode)\n"
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
-        "import kvblocks.vllm\n"
         "print(core.get_request_block_hasher.__module__)\n"
-        "print(kvblocks.vllm.status().mode)\n"
+        "print(kvblocks.vllm.status().mode, kvblocks.vllm.status().pending_mode)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("KVBLOCKS_VLLM", "VLLM_PLUGINS")}
     env["VLLM_TARGET_DEVICE"] = "cpu"
@@ -142,7 +144,7 @@ def test_fresh_process_with_engine_core(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == [OURS, "all"]
+    assert out.stdout.split() == ["all", OURS, "all", "None"]
 
 
 # Whole scheduler runs: identical SchedulerOutputs with the plugin on and off.

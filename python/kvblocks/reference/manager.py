@@ -74,7 +74,6 @@ class BlockManager:
         self,
         num_blocks: int,
         block_size: int,
-        /,
         *,
         enable_caching: bool = True,
         hash_algo: str = "sha256_cbor",

@@ -71,8 +71,16 @@ class Status:
     active: dict[str, str] = field(default_factory=dict)
     #: ``"part: reason" -> count`` of fallbacks to vLLM's own code.
     fallbacks: dict[str, int] = field(default_factory=dict)
+    #: Until vLLM loads the plugin in this process (an engine starting, or :func:`install`):
+    #: the mode ``KVBLOCKS_VLLM`` will install then; None once loaded.
+    pending_mode: str | None = None
 
     def __str__(self) -> str:
+        if self.pending_mode is not None:
+            return (
+                "kvblocks.vllm: not loaded yet: vLLM loads kvblocks when an engine starts; "
+                f"{ENV_VAR}={self.pending_mode}, vllm {self.vllm_version}"
+            )
         parts = ", ".join(f"{k} on {v}" for k, v in self.active.items()) or "nothing active"
         text = f"kvblocks.vllm: mode={self.mode}, vllm {self.vllm_version}: {parts}"
         for reason, count in self.fallbacks.items():
@@ -109,7 +117,12 @@ def status() -> Status:
             f"{part}: {_state.describe(part, reason)}": count
             for (part, reason), count in _state.fallbacks.items()
         },
+        pending_mode=None if _state.loaded else _configured_mode(),
     )
+
+
+def _configured_mode() -> str:
+    return os.environ.get(ENV_VAR, "all").strip().lower() or "all"
 
 
 def install(mode: str = "all") -> Status:
@@ -168,6 +181,7 @@ def uninstall() -> Status:
     """Puts vLLM's own objects back. Hashers already built stay as they are."""
     _state.restore_all()
     _state.mode = "off"
+    _state.loaded = True
     return status()
 
 
@@ -177,7 +191,8 @@ def register() -> None:
     Cheap, idempotent, and silent when the mode is ``off``. It never raises: vLLM calls it
     during start-up, so any problem becomes one warning and vLLM runs unchanged.
     """
-    mode = os.environ.get(ENV_VAR, "all").strip().lower() or "all"
+    _state.loaded = True
+    mode = _configured_mode()
     if mode == _state.mode:
         return
     try:

@@ -13,6 +13,9 @@ _lock = threading.Lock()
 #: (id(target), attribute) -> (target, the vLLM object kvblocks replaced there).
 _patched: dict[tuple[int, str], tuple[Any, Any]] = {}
 mode = "off"
+#: Whether vLLM has loaded the plugin (``register``) or ``install``/``uninstall`` ran in this
+#: process: until then ``mode`` is "off" only because nothing happened yet.
+loaded = False
 #: part -> what it runs on ("sha256_cbor", ...), for the parts that are active.
 active: dict[str, str] = {}
 #: (part, reason) -> how often that part fell back to vLLM's code for that reason.

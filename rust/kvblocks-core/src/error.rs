@@ -18,6 +18,8 @@ pub enum CoreError {
     Randomness(String),
     /// No request has this id.
     UnknownRequest(String),
+    /// No live request has this handle (never issued, or its request was removed).
+    UnknownHandle(i64),
     /// A request with this id already exists.
     DuplicateRequest(String),
     /// An argument is inconsistent with the manager's state (the message says how).
@@ -45,6 +47,7 @@ impl fmt::Display for CoreError {
             }
             Self::Randomness(msg) => write!(f, "cannot draw a random seed: {msg}"),
             Self::UnknownRequest(id) => write!(f, "unknown request id {id:?}"),
+            Self::UnknownHandle(handle) => write!(f, "unknown request handle {handle}"),
             Self::DuplicateRequest(id) => write!(f, "request id {id:?} already exists"),
             Self::InvalidArgument(msg) => f.write_str(msg),
             Self::OutOfMemory { what, bytes } => {

@@ -28,8 +28,8 @@ impl From<i64> for RequestRef<'_> {
 impl RequestRef<'_> {
     fn unknown(&self) -> CoreError {
         match self {
-            Self::Id(id) => CoreError::UnknownRequest(format!("{id:?}")),
-            Self::Handle(h) => CoreError::UnknownRequest(format!("handle {h}")),
+            Self::Id(id) => CoreError::UnknownRequest((*id).to_owned()),
+            Self::Handle(h) => CoreError::UnknownHandle(*h),
         }
     }
 }
@@ -157,5 +157,17 @@ mod tests {
         assert!(slab.slot(RequestRef::Id("a")).is_err());
         assert_eq!(slab.get(slab.slot(RequestRef::Handle(c)).unwrap()), Some(&3));
         assert_eq!(slab.iter().map(|(id, h, _)| (id, h)).collect::<Vec<_>>(), [("c", c), ("b", b)]);
+    }
+
+    #[test]
+    fn unknown_requests_carry_the_id_or_handle_unquoted() {
+        // The glue quotes the id the way Python does; the core must not quote it first.
+        let slab: Slab<u8> = Slab::default();
+        let err = slab.slot(RequestRef::Id("req-1")).unwrap_err();
+        assert_eq!(err, CoreError::UnknownRequest("req-1".to_owned()));
+        assert_eq!(err.to_string(), r#"unknown request id "req-1""#);
+        let err = slab.slot(RequestRef::Handle(7)).unwrap_err();
+        assert_eq!(err, CoreError::UnknownHandle(7));
+        assert_eq!(err.to_string(), "unknown request handle 7");
     }
 }

@@ -5,7 +5,8 @@
 use kvblocks_core::CoreError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyKeyError, PyMemoryError, PyValueError};
-use pyo3::PyErr;
+use pyo3::prelude::*;
+use pyo3::types::PyString;
 
 create_exception!(
     kvblocks,
@@ -23,14 +24,25 @@ pub fn to_py(err: CoreError) -> PyErr {
         | CoreError::InvalidMmFeature(_)
         | CoreError::OutOfRange { .. }
         | CoreError::InvalidArgument(_) => PyValueError::new_err(err.to_string()),
-        CoreError::UnknownRequest(_) | CoreError::DuplicateRequest(_) => {
-            PyKeyError::new_err(err.to_string())
+        CoreError::UnknownRequest(id) => {
+            PyKeyError::new_err(format!("unknown request id {}", py_repr(&id)))
         }
+        CoreError::DuplicateRequest(id) => {
+            PyKeyError::new_err(format!("request id {} already exists", py_repr(&id)))
+        }
+        CoreError::UnknownHandle(_) => PyKeyError::new_err(err.to_string()),
         CoreError::Randomness(_) | CoreError::Internal(_) => {
             KvBlocksError::new_err(err.to_string())
         }
         CoreError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),
     }
+}
+
+/// `repr(id)` as Python writes it (the twin's messages quote ids with `!r`); Rust's `{:?}`
+/// quotes and escapes differently.
+fn py_repr(id: &str) -> String {
+    Python::attach(|py| PyString::new(py, id).repr().map(|r| r.to_string()))
+        .unwrap_or_else(|_| format!("{id:?}"))
 }
 
 /// A core error or a Python one; becomes a Python exception at the boundary.

@@ -148,7 +148,7 @@ fn event_key<'py>(py: Python<'py>, key: &EventKey) -> PyResult<Bound<'py, PyAny>
 impl PyBlockManager {
     #[new]
     #[pyo3(signature = (
-        num_blocks, block_size, /, *, enable_caching = true, hash_algo = "sha256_cbor",
+        num_blocks, block_size, *, enable_caching = true, hash_algo = "sha256_cbor",
         hash_seed = None, max_model_len = None, watermark = 0.0, log_stats = true,
         enable_events = false, verify_tokens = false, events_use_int_block_hashes = true,
         _debug_key_bytes = None,
