@@ -133,7 +133,6 @@ class BlockManager:
         cls,
         num_blocks: int,
         block_size: int,
-        /,
         *,
         enable_caching: bool = True,
         hash_algo: str = "sha256_cbor",
