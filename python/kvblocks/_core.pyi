@@ -18,6 +18,7 @@ __all__ = [
     "KVCacheCore",
     "KvBlocksError",
     "TokenSequence",
+    "_HashingFloor",
     "__version__",
 ]
 
@@ -84,10 +85,16 @@ class BlockHasher:
         lora: tuple[str, str] | None = None,
         mm_features: Sequence[_MmFeature] | None = None,
     ) -> npt.NDArray[np.uint8]: ...
-    def _serialized_blocks(
+
+@final
+class _HashingFloor:
+    """Benchmark-only (benches/bench_hashing.py): a hasher's serialization and digest apart."""
+
+    def __new__(cls, hasher: BlockHasher, /) -> _HashingFloor: ...
+    def serialized_blocks(
         self, token_ids: _TokenIds, /
     ) -> tuple[bytes, npt.NDArray[np.uint64]]: ...
-    def _digest_each(self, data: bytes, ends: npt.NDArray[np.uint64], /) -> int: ...
+    def digest_each(self, data: bytes, ends: npt.NDArray[np.uint64], /) -> int: ...
 
 @final
 class TokenSequence:

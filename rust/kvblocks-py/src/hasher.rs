@@ -8,7 +8,7 @@ use crate::tokens::{extract_token_ids, extract_token_ids_from};
 use kvblocks_core::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable,
 };
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -174,27 +174,6 @@ impl PyBlockHasher {
         let table = numpy::ndarray::Array2::from_shape_vec((sink.len(), width), sink.bytes)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(table.into_pyarray(py))
-    }
-
-    /// Benchmark support: the bytes `hash_blocks` would digest for each full block of
-    /// `token_ids` (no extra keys), concatenated, and where each block's bytes end (uint64).
-    #[pyo3(signature = (token_ids, /))]
-    fn _serialized_blocks<'py>(
-        &self,
-        py: Python<'py>,
-        token_ids: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyArray1<u64>>)> {
-        let tokens = extract_token_ids(token_ids)?;
-        let (data, ends) = self.inner.serialized_blocks(tokens.as_slice(), &Default::default());
-        Ok((PyBytes::new(py, &data), ends.into_pyarray(py)))
-    }
-
-    /// Benchmark support: digests each range of `data` ending at `ends` (a contiguous uint64
-    /// array, read in place), the floor under hashing serialized blocks; returns how many.
-    #[pyo3(signature = (data, ends, /))]
-    fn _digest_each(&self, data: &[u8], ends: PyReadonlyArray1<'_, u64>) -> PyResult<usize> {
-        let ends = ends.as_slice().map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(self.inner.digest_each(data, ends))
     }
 
     fn __repr__(&self) -> String {

@@ -4,6 +4,7 @@
 //! is `NONE_HASH = H(serialize(seed))`. See `docs/semantics.md` §1 for the exact rules.
 
 mod cbor;
+pub mod floor;
 mod keys;
 pub(crate) mod native;
 mod pickle;
@@ -332,38 +333,6 @@ impl BlockHasher {
             let end = rest(&mut buf, prefix_len, block);
             out.push(&self.algo.digest(buf.get(..end).unwrap_or_default()));
         }
-    }
-
-    /// The bytes [`BlockHasher::hash_blocks`] digests for each full block, concatenated, and
-    /// where each block's bytes end: what a benchmark needs to time the digest alone.
-    pub fn serialized_blocks(&self, tokens: &[u32], keys: &RequestKeys) -> (Vec<u8>, Vec<u64>) {
-        let mut chain = HashChain::default();
-        let (mut data, mut ends) = (Vec::new(), Vec::new());
-        let mut parent: Option<BlockHash> = None;
-        for block in tokens.chunks_exact(self.block_size) {
-            let hash = chain.next(self, parent.as_ref().map(BlockHash::as_bytes), block, keys);
-            data.extend_from_slice(&chain.scratch);
-            ends.push(data.len() as u64);
-            parent = Some(hash);
-        }
-        (data, ends)
-    }
-
-    /// Digests each of the consecutive ranges of `data` that end at `ends`, with this
-    /// hasher's digest and nothing else: the floor under hashing already serialized blocks.
-    /// Returns how many ranges were digested.
-    pub fn digest_each(&self, data: &[u8], ends: &[u64]) -> usize {
-        let mut start = 0;
-        let mut count = 0;
-        for &end in ends {
-            let end = usize::try_from(end).unwrap_or(usize::MAX);
-            if let Some(bytes) = data.get(start..end) {
-                std::hint::black_box(self.algo.digest(bytes));
-                count += 1;
-            }
-            start = end;
-        }
-        count
     }
 }
 
