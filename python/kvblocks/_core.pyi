@@ -73,6 +73,7 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Sequence[_MmFeature] | None = None,
+        num_lookahead_tokens: int | None = None,
     ) -> list[bytes]: ...
     def hash_blocks_array(
         self,
@@ -84,6 +85,7 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Sequence[_MmFeature] | None = None,
+        num_lookahead_tokens: int | None = None,
     ) -> npt.NDArray[np.uint8]: ...
 
 @final
