@@ -20,13 +20,12 @@ _logged: set[tuple[str, str]] = set()
 
 #: Why a part (or one request) goes to vLLM's own code, by short name.
 REASONS = {
-    "lookahead": "num_hash_lookahead_tokens != 0 (EAGLE/MTP lookahead hashing)",
     "hash_fn": "a prefix-caching hash function kvblocks does not implement",
     "none_hash": "kvblocks' NONE_HASH differs from vllm's kv_cache_utils.NONE_HASH",
     "prompt_embeds": "a request with prompt_embeds",
     "mm_layout": "multimodal items that overlap or are not sorted by position",
     "pickle_identity": "pickle-based hash with extra-key strings shared by identity",
-    "bad_field": "a request field kvblocks cannot read (type or range)",
+    "bad_field": "a request field or argument kvblocks cannot read (type or range)",
     # the KV-cache manager (see kvblocks.vllm.support)
     "kv_cache_groups": "not exactly one KV-cache group (hybrid or attention-free model)",
     "kv_cache_spec": "a KV-cache spec other than plain full attention (sliding window, MLA, "
