@@ -15,7 +15,8 @@ hasher seed) are ``kvblocks.workloads``' hashing workloads, the defaults of
   (tuple, serialize, digest) with no input checks: the conservative baseline.
 
 And the floor under each 32k-token figure, measured in the same run (``test_floor``): the
-digest alone over each block's exact serialized bytes (``digest-each``, a tight Rust loop),
+digest alone over each block's exact serialized bytes (``digest-each``, a tight Rust loop, from
+the benchmark-only ``kvblocks._core._HashingFloor``),
 the digest over all blocks' bytes as one buffer (``one-buffer``), XXH3-128 over the raw
 uint32 tokens in one call, and converting the Python list to uint32 with CPython's own
 ``array.array``. The summary divides kvblocks' time by its floor: the per-block digest from
@@ -36,6 +37,7 @@ import xxhash
 
 import kvblocks
 import kvblocks.reference as ref
+from kvblocks._core import _HashingFloor
 from kvblocks.reference.hashing import BlockChain, RequestKeys
 from kvblocks.workloads import (
     DECODE_LENGTH,
@@ -117,12 +119,13 @@ def test_floor(benchmark: Any, impl: str, algo: str) -> None:
     """What hashing 32k tokens cannot go below: the digest of each block's exact bytes
     (serialized beforehand, digested in a tight Rust loop), and of all of them as one buffer."""
     hasher = hashing_hasher(kvblocks, algo)
+    floor = _HashingFloor(hasher)
     tokens = hashing_prompt(FLOOR_SIZE)
-    data, ends = hasher._serialized_blocks(tokens)
+    data, ends = floor.serialized_blocks(tokens)
     assert len(ends) == FLOOR_SIZE // HASHING_BLOCK_SIZE
     case = f"floor, {FLOOR_SIZE // 1024}k tokens, {algo}"
     if impl == "digest-each":
-        _run(benchmark, case, impl, lambda: hasher._digest_each(data, ends), [])
+        _run(benchmark, case, impl, lambda: floor.digest_each(data, ends), [])
     else:
         digest = hashlib.sha256 if hasher.digest_size == 32 else xxhash.xxh3_128
         _run(benchmark, case, impl, lambda: digest(data).digest(), [])
@@ -145,10 +148,11 @@ def test_serialized_blocks_are_what_is_hashed() -> None:
     tokens = hashing_prompt(1024)
     for algo in kvblocks.HASH_ALGORITHMS:
         hasher = hashing_hasher(kvblocks, algo)
-        data, ends = hasher._serialized_blocks(tokens)
+        floor = _HashingFloor(hasher)
+        data, ends = floor.serialized_blocks(tokens)
         digest = hashlib.sha256 if hasher.digest_size == 32 else xxhash.xxh3_128
         bounds = [0, *ends.tolist()]
         expected = hasher.hash_blocks(tokens)
         got = [digest(data[a:b]).digest() for a, b in itertools.pairwise(bounds)]
         assert got == expected
-        assert hasher._digest_each(data, ends) == len(expected)
+        assert floor.digest_each(data, ends) == len(expected)

@@ -19,6 +19,7 @@ __all__ = [
     "KVCacheGroup",
     "KvBlocksError",
     "TokenSequence",
+    "_HashingFloor",
     "__version__",
 ]
 
@@ -73,6 +74,7 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Sequence[_MmFeature] | None = None,
+        num_lookahead_tokens: int | None = None,
     ) -> list[bytes]: ...
     def hash_blocks_array(
         self,
@@ -84,11 +86,18 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Sequence[_MmFeature] | None = None,
+        num_lookahead_tokens: int | None = None,
     ) -> npt.NDArray[np.uint8]: ...
-    def _serialized_blocks(
+
+@final
+class _HashingFloor:
+    """Benchmark-only (benches/bench_hashing.py): a hasher's serialization and digest apart."""
+
+    def __new__(cls, hasher: BlockHasher, /) -> _HashingFloor: ...
+    def serialized_blocks(
         self, token_ids: _TokenIds, /
     ) -> tuple[bytes, npt.NDArray[np.uint64]]: ...
-    def _digest_each(self, data: bytes, ends: npt.NDArray[np.uint64], /) -> int: ...
+    def digest_each(self, data: bytes, ends: npt.NDArray[np.uint64], /) -> int: ...
 
 @final
 class TokenSequence:

@@ -192,6 +192,110 @@ def test_engine_core_name_is_replaced_too() -> None:
     assert kv_cache_utils.get_request_block_hasher.__module__ == "vllm.v1.core.kv_cache_utils"
 
 
+# Lookahead hashing (EAGLE/MTP drafting, num_hash_lookahead_tokens = L): a block's hash also
+# covers the L tokens after it, and appears only once they exist.
+
+LOOKAHEADS = (1, 2, 3, 5)
+
+
+def _append_and_compare(
+    a: Request, b: Request, appends: list[int | list[int]], vllm_calls: VllmHashCalls
+) -> None:
+    """Appends the same tokens to both requests, comparing after each append; kvblocks' side
+    must not call vLLM's hashing. Truncates both hash lists twice on the way, as the
+    scheduler does."""
+    for step, tokens in enumerate(appends):
+        a.append_output_token_ids(tokens)
+        calls = vllm_calls.count
+        b.append_output_token_ids(tokens)
+        assert vllm_calls.count == calls, "kvblocks' side must not call vLLM's hashing"
+        assert b.block_hashes == a.block_hashes, step
+        if step in (len(appends) // 3, 2 * len(appends) // 3):
+            keep = len(a.block_hashes) // 2
+            del a.block_hashes[keep:]
+            del b.block_hashes[keep:]
+
+
+@pytest.mark.parametrize("seed", [None, "0"])
+@pytest.mark.parametrize("lookahead", LOOKAHEADS)
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_lookahead_matches_vllm(
+    algo: str,
+    lookahead: int,
+    seed: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_calls: VllmHashCalls,
+) -> None:
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    stock, ours = both_hashers(algo, 4, lookahead)
+    assert ours.__module__ == "kvblocks.vllm.block_hasher"
+    rng = random.Random(f"{algo}-{lookahead}")
+    prompt = [rng.randrange(2**32) for _ in range(4 * 5 + 2)]
+    calls = vllm_calls.count
+    a = make_request("a", prompt, stock)
+    assert vllm_calls.count - calls == (len(prompt) - lookahead) // 4
+    b = make_request("b", prompt, ours)
+    assert vllm_calls.count - calls == (len(prompt) - lookahead) // 4
+    assert b.block_hashes == a.block_hashes
+    # One token at a time across many block boundaries, then a few longer appends.
+    appends: list[int | list[int]] = [rng.randrange(32000) for _ in range(30)]
+    appends += [[rng.randrange(32000) for _ in range(7)] for _ in range(3)]
+    _append_and_compare(a, b, appends, vllm_calls)
+    assert len(a.block_hashes) >= 10
+    status = kvblocks.vllm.status()
+    assert status.active == {"hasher": f"{algo}, {lookahead} lookahead tokens"}
+    assert fallbacks() == {}
+
+
+LOOKAHEAD_KEY_CASES: dict[str, dict[str, Any]] = {
+    **EXTRA_KEY_CASES,
+    # With B = 8: items that start right after a block ends (so only the lookahead window of
+    # the block before reaches them), one that ends on a block end, and a one-token item.
+    "mm_in_lookahead_window": {
+        "mm_features": [
+            _mm("at-8", 8, 3),
+            _mm("at-17", 17, 4),
+            _mm("to-32", 30, 2),
+            _mm("one", 40, 1),
+        ],
+    },
+    # Items that overlap one another with sorted ends (no fallback: vLLM's scan and kvblocks'
+    # agree there), with LoRA and a salt.
+    "mm_overlapping_sorted_ends": {
+        "cache_salt": "t",
+        "lora_request": LoRARequest("adapter-d", 6, "/p/d"),
+        "mm_features": [_mm("p", 6, 10), _mm("q", 9, 10), _mm("r", 23, 2)],
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(LOOKAHEAD_KEY_CASES))
+@pytest.mark.parametrize("lookahead", LOOKAHEADS)
+@pytest.mark.parametrize("algo", ALGORITHMS)
+def test_lookahead_extra_keys_match_vllm(
+    algo: str, lookahead: int, case: str, vllm_calls: VllmHashCalls
+) -> None:
+    stock, ours = both_hashers(algo, 8, lookahead)
+    kwargs = LOOKAHEAD_KEY_CASES[case]
+    a = make_request("a", list(range(50, 91)), stock, **kwargs)
+    calls = vllm_calls.count
+    b = make_request("b", list(range(50, 91)), ours, **kwargs)
+    assert vllm_calls.count == calls
+    assert b.block_hashes == a.block_hashes
+    _append_and_compare(a, b, [*range(40), list(range(9))], vllm_calls)
+    assert len(b.block_hashes) >= 5
+    # The keys and the lookahead tokens are really mixed in.
+    plain = make_request("c", list(range(50, 91)), ours)
+    assert plain.block_hashes[0] != b.block_hashes[0]
+    ours_plain = kv_cache_utils.get_request_block_hasher(8, get_hash_fn_by_name(algo))
+    no_lookahead = make_request("d", list(range(50, 91)), ours_plain, **kwargs)
+    assert no_lookahead.block_hashes[0] != b.block_hashes[0]
+    assert fallbacks() == {}
+
+
 # Fallbacks: each case gets vLLM's bytes from vLLM's own code, and says why.
 
 
@@ -218,11 +322,16 @@ def test_fallback_prompt_embeds(vllm_calls: VllmHashCalls) -> None:
     _check_fallback(a, b, "prompt_embeds")
 
 
-def test_fallback_lookahead(vllm_calls: VllmHashCalls) -> None:
-    stock, ours = both_hashers("sha256", 4, lookahead=1)
-    a, b = pair(stock, ours, list(range(21)))
-    assert ours.__module__ == "vllm.v1.core.kv_cache_utils"
-    _check_fallback(a, b, "lookahead")
+def test_fallback_bad_lookahead_argument() -> None:
+    """A lookahead count that is not an int >= 0 is vLLM's to handle: kvblocks does not
+    raise while the engine starts, and says why it stood aside."""
+    kvblocks.vllm.install("hasher")
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    for bad in (-1, None, 1.0):
+        ours = kv_cache_utils.get_request_block_hasher(4, hash_fn, bad)  # type: ignore[arg-type]
+        assert ours.__module__ == "vllm.v1.core.kv_cache_utils"
+    assert fallbacks() == {("hasher", "bad_field"): 3}
 
 
 def test_fallback_unknown_hash_function() -> None:
@@ -311,6 +420,7 @@ features_strategy = st.lists(
     lora=st.sampled_from([None, ("n", "/p"), ("adapter", "x")]),
     gaps=features_strategy,
     truncate_at=st.integers(0, 30),
+    lookahead=st.sampled_from([0, 0, 1, 2, 3, 5]),
 )
 def test_random_requests_match_vllm(
     algo: str,
@@ -321,9 +431,10 @@ def test_random_requests_match_vllm(
     lora: tuple[str, str] | None,
     gaps: list[tuple[int, int, str]],
     truncate_at: int,
+    lookahead: int,
 ) -> None:
     kvblocks.vllm.uninstall()
-    stock, ours = both_hashers(algo, block_size)
+    stock, ours = both_hashers(algo, block_size, lookahead)
     features, position = [], 0
     for gap, length, identifier in gaps:
         # fresh string objects, as decoded from a request

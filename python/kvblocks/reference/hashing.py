@@ -32,6 +32,8 @@ _KEY_SHAPES = (
 )
 
 ExtraKeys = tuple[tuple[Any, ...], ...] | None
+#: The third item of a block's tuple under lookahead hashing: ``(extra_keys, t_1, ..., t_L)``.
+LookaheadExtra = tuple[Any, ...]
 
 
 def _fresh(s: str) -> str:
@@ -195,6 +197,18 @@ class RequestKeys:
             keys.append((CACHE_SALT, _fresh(self.cache_salt)))
         return (tuple(keys) if keys else None), mm_idx
 
+    def lookahead_block_extra_keys(
+        self, start: int, end: int, hash_end: int, mm_idx: int
+    ) -> tuple[ExtraKeys, int]:
+        """Keys of the block ``[start, end)`` under lookahead hashing: those of the window
+        ``[start, hash_end)``, and the multimodal index moved back to the first item that
+        does not end by ``end`` (the next block starts there and must see it again)."""
+        keys, mm_idx = self.block_extra_keys(start, hash_end, mm_idx)
+        features = self.mm_features
+        while mm_idx > 0 and features[mm_idx - 1][1] + features[mm_idx - 1][2] > end:
+            mm_idx -= 1
+        return keys, mm_idx
+
     def _mm_keys(self, start: int, end: int, idx: int) -> tuple[list[tuple[Any, ...]], int]:
         features = self.mm_features
         if not features or features[-1][1] + features[-1][2] <= start:
@@ -264,7 +278,7 @@ class BlockHasher:
         return len(self._none_hash)
 
     def hash_block_tokens(
-        self, parent: bytes | None, tokens: tuple[int, ...], extra: ExtraKeys
+        self, parent: bytes | None, tokens: tuple[int, ...], extra: ExtraKeys | LookaheadExtra
     ) -> bytes:
         """vLLM's ``hash_block_tokens`` on already-checked arguments."""
         if not parent:
@@ -287,14 +301,28 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Any = None,
+        num_lookahead_tokens: int | None = None,
     ) -> list[bytes]:
         if parent is not None and not isinstance(parent, bytes):
             raise TypeError(f"parent must be bytes or None, got {type(parent).__name__}")
         first = 0 if start_block is None else size_arg(start_block, "start_block", 0)
+        lookahead = (
+            0
+            if num_lookahead_tokens is None
+            else size_arg(num_lookahead_tokens, "num_lookahead_tokens", 0)
+        )
+        if lookahead and self._algo == "xxh3_128":
+            raise ValueError(
+                f"num_lookahead_tokens={lookahead}: the xxh3_128 layout has no lookahead form; "
+                "lookahead hashing needs one of vLLM's algorithms (sha256, sha256_cbor, "
+                "xxhash, xxhash_cbor)"
+            )
         if first * self._block_size > _I64_MAX:
             raise ValueError(f"start_block {first} is out of range")
         tokens = token_ids_from(token_ids, first * self._block_size)
         keys = RequestKeys(cache_salt, lora, mm_features)
+        if lookahead:
+            return _hash_lookahead_run(self, keys, tokens, first, parent, lookahead)
         hashes, _ = _hash_run(self, keys, tokens, first, parent, 0)
         return hashes
 
@@ -308,6 +336,7 @@ class BlockHasher:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         mm_features: Any = None,
+        num_lookahead_tokens: int | None = None,
     ) -> npt.NDArray[np.uint8]:
         hashes = self.hash_blocks(
             token_ids,
@@ -316,6 +345,7 @@ class BlockHasher:
             cache_salt=cache_salt,
             lora=lora,
             mm_features=mm_features,
+            num_lookahead_tokens=num_lookahead_tokens,
         )
         flat = np.frombuffer(b"".join(hashes), dtype=np.uint8)
         return flat.reshape(len(hashes), self.digest_size).copy()
@@ -370,3 +400,31 @@ def _hash_run(
         parent = hasher.hash_block_tokens(parent, tuple(tokens[start : start + size]), extra)
         hashes.append(parent)
     return hashes, mm_idx
+
+
+def _hash_lookahead_run(
+    hasher: BlockHasher,
+    keys: RequestKeys,
+    tokens: list[int],
+    first_block: int,
+    parent: bytes | None,
+    lookahead: int,
+) -> list[bytes]:
+    """vLLM's lookahead hashing (``num_hash_lookahead_tokens``) over ``tokens``, which start
+    at block ``first_block`` of the request: a block is hashed once the ``lookahead`` tokens
+    after it exist, with ``(extra_keys, *those_tokens)`` as the third item of its tuple."""
+    size = hasher.block_size
+    offset = first_block * size
+    hashes: list[bytes] = []
+    mm_idx = 0
+    for start in range(0, len(tokens) - lookahead - size + 1, size):
+        end = start + size
+        extra: ExtraKeys = None
+        if not keys.is_empty():
+            extra, mm_idx = keys.lookahead_block_extra_keys(
+                offset + start, offset + end, offset + end + lookahead, mm_idx
+            )
+        wrapped = (extra, *tokens[end : end + lookahead])
+        parent = hasher.hash_block_tokens(parent, tuple(tokens[start:end]), wrapped)
+        hashes.append(parent)
+    return hashes

@@ -30,7 +30,6 @@ class Reason(StrEnum):
     ``status()`` counts; :attr:`text` says it in words."""
 
     # the request block hasher (see kvblocks.vllm.block_hasher)
-    LOOKAHEAD = "lookahead"
     HASH_FN = "hash_fn"
     NONE_HASH = "none_hash"
     PROMPT_EMBEDS = "prompt_embeds"
@@ -65,13 +64,12 @@ class Reason(StrEnum):
 
 
 _TEXTS = {
-    Reason.LOOKAHEAD: "num_hash_lookahead_tokens != 0 (EAGLE/MTP lookahead hashing)",
     Reason.HASH_FN: "a prefix-caching hash function kvblocks does not implement",
     Reason.NONE_HASH: "kvblocks' NONE_HASH differs from vllm's kv_cache_utils.NONE_HASH",
     Reason.PROMPT_EMBEDS: "a request with prompt_embeds",
     Reason.MM_LAYOUT: "multimodal items that overlap or are not sorted by position",
     Reason.PICKLE_IDENTITY: "pickle-based hash with extra-key strings shared by identity",
-    Reason.BAD_FIELD: "a request field kvblocks cannot read (type or range)",
+    Reason.BAD_FIELD: "a request field or argument kvblocks cannot read (type or range)",
     Reason.KV_CACHE_GROUPS: "no KV-cache group (an attention-free model)",
     Reason.KV_CACHE_SPEC: "a KV-cache spec kvblocks does not implement (Mamba, cross-attention, "
     "sink, R-SWA, circular buffer, bounded-replay sliding window, hidden-state cache, ...)",

@@ -5,9 +5,11 @@ vLLM calls the returned function with a ``Request`` when the request is built an
 ``append_output_token_ids``; it returns the hashes of the blocks that became full since
 ``request.block_hashes`` was last extended. This one keeps no state per request: it starts at
 ``len(request.block_hashes)`` and chains from ``request.block_hashes[-1]``, so it follows the
-scheduler when it truncates that list. The tokens are read in Rust straight from the request's
-token list, from the first unhashed block on; the only Python objects made per block are the
-``bytes`` hashes vLLM keeps.
+scheduler when it truncates that list. With lookahead hashing (EAGLE/MTP,
+``num_hash_lookahead_tokens = L``) a block is hashed only once the ``L`` tokens after it exist,
+so the same rule holds: every hash in the list is final. The tokens are read in Rust straight
+from the request's token list, from the first unhashed block on; the only Python objects made
+per block are the ``bytes`` hashes vLLM keeps.
 
 Wherever kvblocks would not produce vLLM's exact bytes, the request is hashed by vLLM's own
 hasher instead (see ``kvblocks.vllm._state.REASONS``), and the reason is logged once per process.
@@ -147,8 +149,9 @@ def get_request_block_hasher(
     if stale is not None:  # not the vLLM sources kvblocks' hasher was ported from
         _state.fall_back("hasher", *stale)
         return stock
-    if num_hash_lookahead_tokens:
-        _state.fall_back("hasher", "lookahead")
+    lookahead = num_hash_lookahead_tokens
+    if type(lookahead) is not int or lookahead < 0:
+        _state.fall_back("hasher", "bad_field")
         return stock
     algo = _hash_function_names().get(caching_hash_fn)
     if algo is None:
@@ -158,12 +161,18 @@ def get_request_block_hasher(
     if seeded.for_chain_start() is None:
         _state.fall_back("hasher", "none_hash")
         return stock
-    _state.activate("hasher", algo)
-    return _make_hasher(stock, seeded, hash_block_size, algo in _PICKLED)
+    detail = f"{algo}, {lookahead} lookahead tokens" if lookahead else algo
+    _state.activate("hasher", detail)
+    pickled = algo in _PICKLED
+    return _make_hasher(stock, seeded, hash_block_size, pickled, lookahead)
 
 
 def _make_hasher(
-    stock: RequestBlockHasher, seeded: _SeededHasher, block_size: int, pickled: bool
+    stock: RequestBlockHasher,
+    seeded: _SeededHasher,
+    block_size: int,
+    pickled: bool,
+    lookahead: int,
 ) -> RequestBlockHasher:
     fall_back = _state.fall_back
 
@@ -171,8 +180,8 @@ def _make_hasher(
         hashes = request.block_hashes
         tokens = request._all_token_ids
         num_hashed = len(hashes)
-        if (num_hashed + 1) * block_size > len(tokens):
-            return []  # no new full block: the common decode step
+        if (num_hashed + 1) * block_size + lookahead > len(tokens):
+            return []  # no new hashable block: the common decode step
         if request.prompt_embeds is not None:
             fall_back("hasher", "prompt_embeds")
             return stock(request)
@@ -192,8 +201,16 @@ def _make_hasher(
                 if isinstance(keys, str):
                     fall_back("hasher", keys)
                     return stock(request)
-                return hasher.hash_blocks(tokens, parent=parent, start_block=num_hashed, **keys)
-            return hasher.hash_blocks(tokens, parent=parent, start_block=num_hashed)
+                return hasher.hash_blocks(
+                    tokens,
+                    parent=parent,
+                    start_block=num_hashed,
+                    num_lookahead_tokens=lookahead,
+                    **keys,
+                )
+            return hasher.hash_blocks(
+                tokens, parent=parent, start_block=num_hashed, num_lookahead_tokens=lookahead
+            )
         except (TypeError, ValueError, OverflowError, AttributeError):
             fall_back("hasher", "bad_field")
             return stock(request)

@@ -8,7 +8,7 @@ use crate::tokens::{extract_token_ids, extract_token_ids_from};
 use kvblocks_core::{
     resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable,
 };
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -35,35 +35,49 @@ pub fn env_seed(py: Python<'_>) -> PyResult<Option<String>> {
     py.import("os")?.getattr("environ")?.call_method1("get", ("PYTHONHASHSEED",))?.extract()
 }
 
+/// The keyword arguments `hash_blocks` and `hash_blocks_array` share, as given.
+struct ChainArgs<'a, 'py> {
+    parent: Option<&'a [u8]>,
+    start_block: Option<&'a Bound<'py, PyAny>>,
+    cache_salt: Option<&'a Bound<'py, PyAny>>,
+    lora: Option<&'a Bound<'py, PyAny>>,
+    mm_features: Option<&'a Bound<'py, PyAny>>,
+    num_lookahead_tokens: Option<&'a Bound<'py, PyAny>>,
+}
+
 impl PyBlockHasher {
     /// The shared body of `hash_blocks` and `hash_blocks_array`: the full blocks of
-    /// `token_ids` from block `start_block` on, chained to `parent`, into `sink`.
-    #[allow(clippy::too_many_arguments)]
+    /// `token_ids` from block `start_block` on (each followed by `num_lookahead_tokens` more),
+    /// chained to `parent`, into `sink`.
     fn compute(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
-        parent: Option<&[u8]>,
-        start_block: Option<&Bound<'_, PyAny>>,
-        cache_salt: Option<&Bound<'_, PyAny>>,
-        lora: Option<&Bound<'_, PyAny>>,
-        mm_features: Option<&Bound<'_, PyAny>>,
+        args: ChainArgs<'_, '_>,
         sink: &mut (impl HashSink + Send),
-    ) -> PyResult<()> {
+    ) -> GlueResult<()> {
+        let ChainArgs { parent, start_block, cache_salt, lora, mm_features, num_lookahead_tokens } =
+            args;
         let first_block = match start_block {
             Some(block) => size_arg(block, "start_block", 0)?,
             None => 0,
         };
+        let lookahead = match num_lookahead_tokens {
+            Some(n) => size_arg(n, "num_lookahead_tokens", 0)?,
+            None => 0,
+        };
         let hasher = &self.inner;
+        hasher.check_lookahead(lookahead)?;
         let start = first_block.checked_mul(hasher.block_size()).ok_or_else(|| {
             PyValueError::new_err(format!("start_block {first_block} is out of range"))
         })?;
         let (tokens, offset) = extract_token_ids_from(token_ids, start)?;
         let keys = request_keys(cache_salt, lora, mm_features)?;
         let tokens = tokens.as_slice().get(offset..).unwrap_or_default();
-        let hash = || hasher.hash_blocks_into(tokens, first_block, parent, &keys, sink);
-        detach_if_large(py, tokens.len(), hash);
-        Ok(())
+        let hash = || {
+            hasher.hash_lookahead_blocks_into(tokens, first_block, parent, &keys, lookahead, sink)
+        };
+        Ok(detach_if_large(py, tokens.len(), hash)?)
     }
 }
 
@@ -132,7 +146,7 @@ impl PyBlockHasher {
 
     #[pyo3(signature = (
         token_ids, /, *, parent = None, start_block = None, cache_salt = None, lora = None,
-        mm_features = None
+        mm_features = None, num_lookahead_tokens = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn hash_blocks<'py>(
@@ -144,10 +158,12 @@ impl PyBlockHasher {
         cache_salt: Option<&Bound<'py, PyAny>>,
         lora: Option<&Bound<'py, PyAny>>,
         mm_features: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
+        let args =
+            ChainArgs { parent, start_block, cache_salt, lora, mm_features, num_lookahead_tokens };
         let mut hashes = Vec::new();
-        let sink = &mut hashes;
-        self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features, sink)?;
+        self.compute(py, token_ids, args, &mut hashes)?;
         hash_list(py, &hashes)
     }
 
@@ -155,7 +171,7 @@ impl PyBlockHasher {
     /// per block.
     #[pyo3(signature = (
         token_ids, /, *, parent = None, start_block = None, cache_salt = None, lora = None,
-        mm_features = None
+        mm_features = None, num_lookahead_tokens = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn hash_blocks_array<'py>(
@@ -167,34 +183,16 @@ impl PyBlockHasher {
         cache_salt: Option<&Bound<'py, PyAny>>,
         lora: Option<&Bound<'py, PyAny>>,
         mm_features: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<u8>>> {
         let width = self.inner.algo().digest_size();
         let mut sink = HashTable::with_capacity(0, width);
-        self.compute(py, token_ids, parent, start_block, cache_salt, lora, mm_features, &mut sink)?;
+        let args =
+            ChainArgs { parent, start_block, cache_salt, lora, mm_features, num_lookahead_tokens };
+        self.compute(py, token_ids, args, &mut sink)?;
         let table = numpy::ndarray::Array2::from_shape_vec((sink.len(), width), sink.bytes)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(table.into_pyarray(py))
-    }
-
-    /// Benchmark support: the bytes `hash_blocks` would digest for each full block of
-    /// `token_ids` (no extra keys), concatenated, and where each block's bytes end (uint64).
-    #[pyo3(signature = (token_ids, /))]
-    fn _serialized_blocks<'py>(
-        &self,
-        py: Python<'py>,
-        token_ids: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyArray1<u64>>)> {
-        let tokens = extract_token_ids(token_ids)?;
-        let (data, ends) = self.inner.serialized_blocks(tokens.as_slice(), &Default::default());
-        Ok((PyBytes::new(py, &data), ends.into_pyarray(py)))
-    }
-
-    /// Benchmark support: digests each range of `data` ending at `ends` (a contiguous uint64
-    /// array, read in place), the floor under hashing serialized blocks; returns how many.
-    #[pyo3(signature = (data, ends, /))]
-    fn _digest_each(&self, data: &[u8], ends: PyReadonlyArray1<'_, u64>) -> PyResult<usize> {
-        let ends = ends.as_slice().map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(self.inner.digest_each(data, ends))
     }
 
     fn __repr__(&self) -> String {

@@ -15,6 +15,7 @@
 mod args;
 mod errors;
 mod hasher;
+mod hashing_floor;
 mod ints;
 mod keys;
 mod kv_cache;
@@ -34,6 +35,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HASH_ALGORITHMS", PyTuple::new(m.py(), HASH_ALGORITHMS)?)?;
     m.add("KvBlocksError", m.py().get_type::<errors::KvBlocksError>())?;
     m.add_class::<hasher::PyBlockHasher>()?;
+    m.add_class::<hashing_floor::PyHashingFloor>()?; // benchmark-only
     m.add_class::<sequence::PyTokenSequence>()?;
     m.add_class::<manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKvCacheCore>()?;

@@ -41,9 +41,9 @@ PORTED: dict[str, tuple[Source, ...]] = {
         # The four hash functions, whose serialization kvblocks' Rust encoders reproduce
         # byte for byte; a small file.
         Source("vllm/utils/hashing.py"),
-        # The chained block hash, NONE_HASH and its seed, the extra keys: the hashing half
-        # of a file whose other half is the block pool's data structures. The lookahead
-        # extra keys are left out: with lookahead kvblocks hands the request to vLLM.
+        # The chained block hash, NONE_HASH and its seed, the extra keys (with EAGLE/MTP
+        # lookahead too): the hashing half of a file whose other half is the block pool's
+        # data structures.
         Source(
             _KV_CACHE_UTILS,
             objects=(
@@ -57,6 +57,7 @@ PORTED: dict[str, tuple[Source, ...]] = {
                 "hash_block_tokens",
                 "get_request_block_hasher",
                 "generate_block_hash_extra_keys",
+                "generate_lookahead_block_hash_extra_keys",
                 "_gen_mm_extra_hash_keys",
                 "_gen_lora_extra_hash_keys",
                 "_gen_prompt_embeds_extra_hash_keys",

@@ -136,17 +136,31 @@ pub(crate) fn plain_rest(buf: &mut [u8], at: usize, tokens: &[u32]) -> usize {
     end + 1
 }
 
-/// Encodes vLLM's block tuple `(parent, tuple(tokens), extra_keys)`.
+/// Encodes vLLM's block tuple `(parent, tuple(tokens), extra)`, where `extra` is
+/// `extra_keys` itself, or with lookahead tokens the array `(extra_keys, *lookahead)` (see
+/// [`super::BlockHasher::hash_lookahead_blocks_into`]).
 pub(crate) fn block(
     out: &mut Vec<u8>,
     parent: &[u8],
     tokens: &[u32],
     extra_keys: Option<&[ExtraKey<'_>]>,
+    lookahead: &[u32],
 ) {
     out.push(0x83);
     bytes(out, parent);
     head(out, MAJOR_ARRAY, len(tokens.len()));
     tokens_into(out, tokens);
+    if lookahead.is_empty() {
+        keys(out, extra_keys);
+    } else {
+        head(out, MAJOR_ARRAY, len(1 + lookahead.len()));
+        keys(out, extra_keys);
+        tokens_into(out, lookahead);
+    }
+}
+
+/// `None`, or the array of keys.
+fn keys(out: &mut Vec<u8>, extra_keys: Option<&[ExtraKey<'_>]>) {
     match extra_keys {
         None => out.push(NULL),
         Some(keys) => {
@@ -199,7 +213,7 @@ mod tests {
     fn published_block_and_extra_key_bytes() {
         let parent = [0xabu8; 32];
         let mut out = Vec::new();
-        block(&mut out, &parent, &[1, 2, 3, 300, 70000], None);
+        block(&mut out, &parent, &[1, 2, 3, 300, 70000], None, &[]);
         assert_eq!(hex(&out), format!("835820{}850102031901{}", hex(&parent), "2c1a00011170f6"));
 
         let mut out = Vec::new();
@@ -208,16 +222,31 @@ mod tests {
             ExtraKey::Mm { identifier: "img0", offset: 0 },
             ExtraKey::CacheSalt("s"),
         ];
-        block(&mut out, &[], &[], Some(&keys));
+        block(&mut out, &[], &[], Some(&keys), &[]);
         let expected = "834080\
             83 83 64 6c6f7261 61 4c 62 2f70 83 62 6d6d 64 696d6730 00 82 6a 63616368655f73616c74 61 73";
         assert_eq!(hex(&out), expected.replace(' ', ""));
     }
 
     #[test]
+    fn lookahead_extra_wraps_the_keys_and_the_tokens() {
+        // Bytes from cbor2.dumps(obj, canonical=True) of
+        // (b"\t\t", (1, 2), ((("mm", "aaa", -5),), 300, 70000, 2**31)) and of
+        // (b"\t\t", (1, 2), (None, 5)).
+        let keys = [ExtraKey::Mm { identifier: "aaa", offset: -5 }];
+        let mut out = Vec::new();
+        block(&mut out, &[9; 2], &[1, 2], Some(&keys), &[300, 70000, 1 << 31]);
+        let expected = "834209098201028481 83626d6d63616161 24 19012c 1a00011170 1a80000000";
+        assert_eq!(hex(&out), expected.replace(' ', ""));
+        let mut out = Vec::new();
+        block(&mut out, &[9; 2], &[1, 2], None, &[5]);
+        assert_eq!(hex(&out), "8342090982010282f605");
+    }
+
+    #[test]
     fn long_arrays_and_non_ascii_strings() {
         let mut out = Vec::new();
-        block(&mut out, &[], &[7; 256], Some(&[ExtraKey::CacheSalt("é")]));
+        block(&mut out, &[], &[7; 256], Some(&[ExtraKey::CacheSalt("é")]), &[]);
         assert_eq!(hex(&out[..5]), "8340990100");
         let tail = "81 82 6a 63616368655f73616c74 62 c3a9".replace(' ', "");
         assert_eq!(hex(&out[5 + 256..]), tail);

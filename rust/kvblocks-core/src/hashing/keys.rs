@@ -109,6 +109,28 @@ impl RequestKeys {
         }
     }
 
+    /// The keys of a block `[start, end)` under lookahead hashing, which covers the window
+    /// `[start, hash_end)`: the block's keys generated over the whole window (so an item that
+    /// only overlaps the lookahead tokens counts, with its offset still relative to `start`),
+    /// then `mm_cursor` moved back over the items that end after `end`. The next block starts
+    /// at `end` and must see those items again; vLLM's `mm_idx` is rewound the same way.
+    pub fn lookahead_block_keys<'a>(
+        &'a self,
+        start: usize,
+        end: usize,
+        hash_end: usize,
+        mm_cursor: &mut usize,
+        out: &mut Vec<ExtraKey<'a>>,
+    ) {
+        self.block_keys(start, hash_end, mm_cursor, out);
+        while let Some(previous) = mm_cursor.checked_sub(1).and_then(|i| self.mm_features.get(i)) {
+            if previous.offset + previous.length <= end {
+                break;
+            }
+            *mm_cursor -= 1;
+        }
+    }
+
     fn mm_keys<'a>(
         &'a self,
         start: usize,
@@ -205,6 +227,30 @@ mod tests {
         let keys = RequestKeys::new(None, Some(String::new()), vec![])?;
         assert!(keys.is_empty());
         assert!(keys_per_block(&keys, 4, 1)[0].is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn lookahead_keys_cover_the_window_and_rewind_the_cursor() -> CoreResult<()> {
+        // B = 4, L = 2: block 0 hashes [0, 6), block 1 [4, 10), block 2 [8, 14).
+        // "a" = [5, 7) starts in block 1 but block 0's window already reaches it; "b" = [9, 10)
+        // lies in block 2 and in block 1's lookahead.
+        let keys = RequestKeys::new(None, None, vec![feature("a", 5, 2), feature("b", 9, 1)])?;
+        let mut cursor = 0;
+        let mut per_block = Vec::new();
+        for i in 0..3 {
+            let mut out = Vec::new();
+            keys.lookahead_block_keys(i * 4, i * 4 + 4, i * 4 + 6, &mut cursor, &mut out);
+            per_block.push((out.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>(), cursor));
+        }
+        let mm = |id: &str, offset: i64| format!("Mm {{ identifier: {id:?}, offset: {offset} }}");
+        // Block 0 sees "a" only through its lookahead; the cursor stays on "a" (it ends at 7,
+        // after block 0's end 4) so block 1 sees it again.
+        assert_eq!(per_block[0], (vec![mm("a", 5)], 0));
+        // Block 1's window [4, 10) holds both and the scan passes both; the rewind goes back
+        // over "b" (it ends at 10, after block 1's end 8) but not over "a" (ends at 7).
+        assert_eq!(per_block[1], (vec![mm("a", 1), mm("b", 5)], 1));
+        assert_eq!(per_block[2], (vec![mm("b", 1)], 2));
         Ok(())
     }
 

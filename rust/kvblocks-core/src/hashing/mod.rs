@@ -4,6 +4,7 @@
 //! is `NONE_HASH = H(serialize(seed))`. See `docs/semantics.md` §1 for the exact rules.
 
 mod cbor;
+pub mod floor;
 mod keys;
 pub(crate) mod native;
 mod pickle;
@@ -74,20 +75,34 @@ impl HashAlgo {
         }
     }
 
+    /// Whether the algorithm has a layout for lookahead hashing: vLLM's four do (their
+    /// serializations take any Python object); kvblocks' `xxh3_128` layout defines none.
+    pub fn supports_lookahead(self) -> bool {
+        !matches!(self, Self::Xxh3Native)
+    }
+
+    /// The bytes hashed for one block; `lookahead` is empty unless lookahead hashing is on,
+    /// which [`BlockHasher::check_lookahead`] refuses before any block for `Xxh3Native`.
     fn encode_block(
         self,
         out: &mut Vec<u8>,
         parent: &[u8],
         tokens: &[u32],
         extra_keys: Option<&[ExtraKey<'_>]>,
+        lookahead: &[u32],
     ) {
         out.clear();
         match self {
             Self::Sha256Pickle | Self::XxhashPickle => {
-                pickle::block(out, parent, tokens, extra_keys)
+                pickle::block(out, parent, tokens, extra_keys, lookahead)
             }
-            Self::Sha256Cbor | Self::XxhashCbor => cbor::block(out, parent, tokens, extra_keys),
-            Self::Xxh3Native => native::block(out, parent, tokens, extra_keys),
+            Self::Sha256Cbor | Self::XxhashCbor => {
+                cbor::block(out, parent, tokens, extra_keys, lookahead)
+            }
+            Self::Xxh3Native => {
+                debug_assert!(lookahead.is_empty(), "xxh3_128 has no lookahead layout");
+                native::block(out, parent, tokens, extra_keys)
+            }
         }
     }
 
@@ -225,11 +240,23 @@ impl BlockHasher {
         extra_keys: Option<&[ExtraKey<'_>]>,
         scratch: &mut Vec<u8>,
     ) -> BlockHash {
+        self.hash_block_with_lookahead(parent, tokens, extra_keys, &[], scratch)
+    }
+
+    /// [`BlockHasher::hash_block`] with the block's lookahead tokens (empty: none).
+    fn hash_block_with_lookahead(
+        &self,
+        parent: Option<&[u8]>,
+        tokens: &[u32],
+        extra_keys: Option<&[ExtraKey<'_>]>,
+        lookahead: &[u32],
+        scratch: &mut Vec<u8>,
+    ) -> BlockHash {
         let parent = match parent {
             Some(p) if !p.is_empty() => p,
             _ => self.none_hash.as_bytes(),
         };
-        self.algo.encode_block(scratch, parent, tokens, extra_keys);
+        self.algo.encode_block(scratch, parent, tokens, extra_keys, lookahead);
         self.algo.digest(scratch)
     }
 
@@ -275,6 +302,67 @@ impl BlockHasher {
             let hash = chain.next(self, sink.last_hash().or(parent), block, keys);
             sink.push(&hash);
         }
+    }
+
+    /// Refuses lookahead hashing where the algorithm has no layout for it (`xxh3_128`).
+    pub fn check_lookahead(&self, num_lookahead_tokens: usize) -> CoreResult<()> {
+        if num_lookahead_tokens == 0 || self.algo.supports_lookahead() {
+            return Ok(());
+        }
+        Err(CoreError::InvalidArgument(format!(
+            "num_lookahead_tokens={num_lookahead_tokens}: the {} layout has no lookahead form; \
+             lookahead hashing needs one of vLLM's algorithms (sha256, sha256_cbor, xxhash, \
+             xxhash_cbor)",
+            self.algo
+        )))
+    }
+
+    /// [`BlockHasher::hash_blocks_into`] with vLLM's lookahead hashing (EAGLE/MTP,
+    /// `num_hash_lookahead_tokens = L`; `L = 0` is plain hashing). Each block's hash also
+    /// covers the `L` tokens after it, so a block is hashed only once those exist
+    /// (`block_end + L <= tokens.len()`); its tokens are still the hashed tokens, and the third
+    /// item of its tuple becomes `(E, t_1, ..., t_L)`: `E` the extra keys (or `None`) of the
+    /// window `[block_start, block_end + L)`, the `t_i` the tokens after the block. Multimodal
+    /// items in the window count; the scan resumes at the first item the next block can see
+    /// (see [`RequestKeys::lookahead_block_keys`]). `sink` must start empty; on an error
+    /// (`xxh3_128` with `L > 0`) nothing is pushed.
+    pub fn hash_lookahead_blocks_into(
+        &self,
+        tokens: &[u32],
+        first_block: usize,
+        parent: Option<&[u8]>,
+        keys: &RequestKeys,
+        num_lookahead_tokens: usize,
+        sink: &mut impl HashSink,
+    ) -> CoreResult<()> {
+        if num_lookahead_tokens == 0 {
+            self.hash_blocks_into(tokens, first_block, parent, keys, sink);
+            return Ok(());
+        }
+        self.check_lookahead(num_lookahead_tokens)?;
+        let size = self.block_size;
+        let hashed = tokens.len().saturating_sub(num_lookahead_tokens);
+        sink.reserve(hashed / size);
+        let offset = first_block.saturating_mul(size);
+        let (mut scratch, mut extra, mut mm_cursor) = (Vec::new(), Vec::new(), 0);
+        for (index, block) in
+            tokens.get(..hashed).unwrap_or_default().chunks_exact(size).enumerate()
+        {
+            let end = (index + 1) * size;
+            let lookahead = tokens.get(end..end + num_lookahead_tokens).unwrap_or_default();
+            extra.clear();
+            if !keys.is_empty() {
+                let (start, end) = (offset.saturating_add(end - size), offset.saturating_add(end));
+                let window_end = end.saturating_add(num_lookahead_tokens);
+                keys.lookahead_block_keys(start, end, window_end, &mut mm_cursor, &mut extra);
+            }
+            let extra = (!extra.is_empty()).then_some(extra.as_slice());
+            let parent = sink.last_hash().or(parent);
+            let hash =
+                self.hash_block_with_lookahead(parent, block, extra, lookahead, &mut scratch);
+            sink.push(&hash);
+        }
+        Ok(())
     }
 
     /// The hot case of [`BlockHasher::hash_blocks_from`]: blocks without extra keys. Their
@@ -332,38 +420,6 @@ impl BlockHasher {
             let end = rest(&mut buf, prefix_len, block);
             out.push(&self.algo.digest(buf.get(..end).unwrap_or_default()));
         }
-    }
-
-    /// The bytes [`BlockHasher::hash_blocks`] digests for each full block, concatenated, and
-    /// where each block's bytes end: what a benchmark needs to time the digest alone.
-    pub fn serialized_blocks(&self, tokens: &[u32], keys: &RequestKeys) -> (Vec<u8>, Vec<u64>) {
-        let mut chain = HashChain::default();
-        let (mut data, mut ends) = (Vec::new(), Vec::new());
-        let mut parent: Option<BlockHash> = None;
-        for block in tokens.chunks_exact(self.block_size) {
-            let hash = chain.next(self, parent.as_ref().map(BlockHash::as_bytes), block, keys);
-            data.extend_from_slice(&chain.scratch);
-            ends.push(data.len() as u64);
-            parent = Some(hash);
-        }
-        (data, ends)
-    }
-
-    /// Digests each of the consecutive ranges of `data` that end at `ends`, with this
-    /// hasher's digest and nothing else: the floor under hashing already serialized blocks.
-    /// Returns how many ranges were digested.
-    pub fn digest_each(&self, data: &[u8], ends: &[u64]) -> usize {
-        let mut start = 0;
-        let mut count = 0;
-        for &end in ends {
-            let end = usize::try_from(end).unwrap_or(usize::MAX);
-            if let Some(bytes) = data.get(start..end) {
-                std::hint::black_box(self.algo.digest(bytes));
-                count += 1;
-            }
-            start = end;
-        }
-        count
     }
 }
 
@@ -524,14 +580,18 @@ mod tests {
         assert_eq!(hex(&h0), "060e374a2428d3ade297b9b4f3bf39df08580aa75cc8d93f5983e9f8b10b08a0");
     }
 
-    #[test]
-    fn continued_chain_equals_the_tail_of_the_whole_chain() {
+    /// LoRA ("L", "/p"), salt "salt", images "img0" at [3, 9) and "img1" at [13, 15).
+    fn lora_salt_and_two_images() -> RequestKeys {
         let mm = vec![
             MmFeature { identifier: "img0".into(), offset: 3, length: 6 },
             MmFeature { identifier: "img1".into(), offset: 13, length: 2 },
         ];
-        let keys =
-            RequestKeys::new(Some(("L".into(), "/p".into())), Some("salt".into()), mm).unwrap();
+        RequestKeys::new(Some(("L".into(), "/p".into())), Some("salt".into()), mm).unwrap()
+    }
+
+    #[test]
+    fn continued_chain_equals_the_tail_of_the_whole_chain() {
+        let keys = lora_salt_and_two_images();
         let tokens: Vec<u32> = (0..23).collect();
         for algo in HASH_ALGORITHMS {
             let h = hasher(algo, 4);
@@ -543,6 +603,105 @@ mod tests {
                 assert_eq!(tail, whole[first..], "{algo} from block {first}");
             }
         }
+    }
+
+    fn lookahead_chain(
+        h: &BlockHasher,
+        tokens: &[u32],
+        keys: &RequestKeys,
+        l: usize,
+    ) -> Vec<String> {
+        let mut out: Vec<BlockHash> = Vec::new();
+        h.hash_lookahead_blocks_into(tokens, 0, None, keys, l, &mut out).unwrap();
+        out.iter().map(hex).collect()
+    }
+
+    #[test]
+    fn lookahead_vectors_from_vllm() {
+        // vLLM 0.33's get_request_block_hasher(4, hash_fn, 2) on requests with these tokens
+        // and keys (PYTHONHASHSEED unset, so seed "vllm-none-hash"): tokens 0..22 with LoRA
+        // ("L", "/p"), salt "salt" and images "img0" at [3, 9), "img1" at [13, 15); then 0..9
+        // with no keys. Five and two blocks: a block needs the 2 tokens after it.
+        let keys = lora_salt_and_two_images();
+        let tokens: Vec<u32> = (0..23).collect();
+        let plain: Vec<u32> = (0..10).collect();
+        let none = RequestKeys::default();
+        let cbor = hasher("sha256_cbor", 4);
+        assert_eq!(
+            lookahead_chain(&cbor, &tokens, &keys, 2),
+            [
+                "9bcc88f692035c83d16d3418eaa2f32c1288f53db3e288ad6acc21bf9c4c9277",
+                "f3e7ee7c3a7917b5cd3b53ca196569697f8db714e8dd2872f0bca9fdc11c0fec",
+                "9979382e35655e7d78a46301f9f3875179ae990a65cf3a16effd26f85638f3ea",
+                "f0f89db2bccb4e37436e5bdf78ba3453338a2594ee8f284a12d979cd155af353",
+                "6f5c7a951ddf93a54fd5bc44274ef74f90b545bf994bbca29dd43c20ccdf935f",
+            ]
+        );
+        assert_eq!(
+            lookahead_chain(&cbor, &plain, &none, 2),
+            [
+                "90edc544853ac3c1ab8f14e5bcb6c8f2f0de5f874b842cbfc2549717850ad2bc",
+                "7adc9e136df5c7fc7a28b617c608a21f7aeb60639e1ddccbca90268da5899f03",
+            ]
+        );
+        let pickle = hasher("sha256", 4);
+        assert_eq!(
+            lookahead_chain(&pickle, &tokens, &keys, 2),
+            [
+                "b72f5c9cedf854d768b6aca95ba8d8d860eca0fc8688e6149cfec1d86d55e8ea",
+                "1dc52d6d434a3426555cc94b68ba98756593d607b75063e35b9823e2c294ea42",
+                "f6fa0bf1045999d3983cfc483b3da63a17a1ab757aea4ebfa173ea0aff2d2ded",
+                "256defb633b4be59728f9b9e09fc61a6a02043b3d9497bd2d8817b08e4797c5a",
+                "97fb0bc24a55c6f30559af9be39e438660f5f81e20748b9b2844e235187015e5",
+            ]
+        );
+        assert_eq!(
+            lookahead_chain(&pickle, &plain, &none, 2),
+            [
+                "a5d56154b5566c8347b3616d5e2ec0c0155a4e8c11ecd22e872549508adf7981",
+                "0f35138df3dc798be49b78cd273b2a95fb6435790f239dbbeedc5cb206a5b14f",
+            ]
+        );
+    }
+
+    #[test]
+    fn lookahead_continued_chain_equals_the_tail_of_the_whole_chain() {
+        let mm = vec![
+            MmFeature { identifier: "a".into(), offset: 2, length: 3 },
+            MmFeature { identifier: "b".into(), offset: 6, length: 1 },
+            MmFeature { identifier: "c".into(), offset: 7, length: 9 },
+        ];
+        let keys = RequestKeys::new(None, Some("s".into()), mm).unwrap();
+        let tokens: Vec<u32> = (100..126).collect();
+        for algo in ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] {
+            let h = hasher(algo, 4);
+            for l in [1, 2, 3, 5] {
+                let mut whole: Vec<BlockHash> = Vec::new();
+                h.hash_lookahead_blocks_into(&tokens, 0, None, &keys, l, &mut whole).unwrap();
+                assert_eq!(whole.len(), (26 - l) / 4, "{algo}, L = {l}");
+                assert_ne!(whole, h.hash_blocks(&tokens, &keys)[..whole.len()]);
+                for first in 0..=whole.len() {
+                    let parent = first.checked_sub(1).map(|i| whole[i].as_bytes());
+                    let mut tail: Vec<BlockHash> = Vec::new();
+                    let rest = &tokens[first * 4..];
+                    h.hash_lookahead_blocks_into(rest, first, parent, &keys, l, &mut tail).unwrap();
+                    assert_eq!(tail, whole[first..], "{algo}, L = {l}, from block {first}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lookahead_is_refused_for_the_native_layout_and_zero_is_plain_hashing() {
+        let h = hasher("xxh3_128", 4);
+        let keys = RequestKeys::default();
+        let mut out: Vec<BlockHash> = Vec::new();
+        let err = h.hash_lookahead_blocks_into(&[1, 2, 3], 0, None, &keys, 1, &mut out);
+        assert!(matches!(err, Err(CoreError::InvalidArgument(_))), "{err:?}");
+        assert!(out.is_empty());
+        let tokens: Vec<u32> = (0..9).collect();
+        h.hash_lookahead_blocks_into(&tokens, 0, None, &keys, 0, &mut out).unwrap();
+        assert_eq!(out, h.hash_blocks(&tokens, &keys));
     }
 
     #[test]

@@ -243,6 +243,20 @@ impl<'o, 'k> Pickler<'o, 'k> {
         }
     }
 
+    /// `None`, or the tuple of keys.
+    fn extra_keys(&mut self, extra_keys: Option<&[ExtraKey<'k>]>) {
+        match extra_keys {
+            None => self.none(),
+            Some(keys) => {
+                self.open_tuple(keys.len());
+                for key in keys {
+                    self.extra_key(key);
+                }
+                self.close_tuple(keys.len());
+            }
+        }
+    }
+
     fn extra_key(&mut self, key: &ExtraKey<'k>) {
         let n = match key {
             ExtraKey::Lora { .. } | ExtraKey::Mm { .. } => 3,
@@ -276,12 +290,16 @@ fn cached_str(s: &str) -> bool {
     }
 }
 
-/// `pickle.dumps((parent, tuple(tokens), extra_keys), protocol=5)`.
+/// `pickle.dumps((parent, tuple(tokens), extra), protocol=5)`, where `extra` is
+/// `extra_keys` itself, or with lookahead tokens `(extra_keys, *lookahead)` (see
+/// [`super::BlockHasher::hash_lookahead_blocks_into`]). The lookahead ints are never memoized
+/// (pickle memoizes no int); the wrapping tuple is, after its items, like any other tuple.
 pub(crate) fn block<'k>(
     out: &mut Vec<u8>,
     parent: &'k [u8],
     tokens: &[u32],
     extra_keys: Option<&[ExtraKey<'k>]>,
+    lookahead: &[u32],
 ) {
     let mut p = Pickler::new(out);
     p.open_tuple(3);
@@ -289,15 +307,16 @@ pub(crate) fn block<'k>(
     p.open_tuple(tokens.len());
     p.tokens(tokens);
     p.close_tuple(tokens.len());
-    match extra_keys {
-        None => p.none(),
-        Some(keys) => {
-            p.open_tuple(keys.len());
-            for key in keys {
-                p.extra_key(key);
-            }
-            p.close_tuple(keys.len());
+    if lookahead.is_empty() {
+        p.extra_keys(extra_keys);
+    } else {
+        let n = 1 + lookahead.len();
+        p.open_tuple(n);
+        p.extra_keys(extra_keys);
+        for &t in lookahead {
+            p.int(i64::from(t));
         }
+        p.close_tuple(n);
     }
     p.close_tuple(3);
     p.finish();
@@ -389,7 +408,7 @@ mod tests {
         // docs/semantics.md §1.9, parent = the pickle NONE_HASH.
         let parent: Vec<u8> = (0..32).collect();
         let mut out = Vec::new();
-        block(&mut out, &parent, &[1, 2, 3, 300, 70000], None);
+        block(&mut out, &parent, &[1, 2, 3, 300, 70000], None, &[]);
         let expected = format!(
             "8005953800000000000000 4320{} 94 28 4b01 4b02 4b03 4d2c01 4a70110100 74 94 4e 87 94 2e",
             hex(&parent)
@@ -414,7 +433,7 @@ mod tests {
             ExtraKey::Mm { identifier: "bbb", offset: 14 },
         ];
         let mut out = Vec::new();
-        block(&mut out, &[9; 2], &[], Some(&keys));
+        block(&mut out, &[9; 2], &[], Some(&keys), &[]);
         // memo: 0 parent, 1 "mm", 2 "aaa", 3 first key; the second "mm" is BINGET 1.
         let expected =
             "80059529000000000000004302090994 29 8c026d6d94 8c0361616194 4afbffffff 8794 \
@@ -423,9 +442,26 @@ mod tests {
     }
 
     #[test]
+    fn lookahead_extra_wraps_the_keys_and_the_tokens() {
+        // Bytes from CPython's pickle.dumps(obj, protocol=5) of
+        // (b"\t\t", (1, 2), ((("mm", "aaa", -5),), 300, 70000, 2**31)): four items take
+        // MARK ... TUPLE, 2**31 is LONG1, and the ints are never memoized.
+        let keys = [ExtraKey::Mm { identifier: "aaa", offset: -5 }];
+        let mut out = Vec::new();
+        block(&mut out, &[9; 2], &[1, 2], Some(&keys), &[300, 70000, 1 << 31]);
+        let expected = "800595340000000000000043020909944b014b028694 28 8c026d6d94 8c0361616194 \
+                        4afbffffff 8794 8594 4d2c01 4a70110100 8a050000008000 7494 8794 2e";
+        assert_eq!(hex(&out), expected.replace(' ', ""));
+        // (b"\t\t", (1, 2), (None, 5)): two items take TUPLE2.
+        let mut out = Vec::new();
+        block(&mut out, &[9; 2], &[1, 2], None, &[5]);
+        assert_eq!(hex(&out), "800595130000000000000043020909944b014b0286944e4b05869487942e");
+    }
+
+    #[test]
     fn large_tokens_use_long1() {
         let mut out = Vec::new();
-        block(&mut out, &[], &[u32::MAX, 1 << 31], None);
+        block(&mut out, &[], &[u32::MAX, 1 << 31], None, &[]);
         let encoded = hex(&out);
         assert!(encoded.contains("8a05ffffffff00"), "{encoded}");
         assert!(encoded.contains("8a050000008000"), "{encoded}");
