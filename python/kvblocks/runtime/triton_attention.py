@@ -273,7 +273,7 @@ def triton_paged_attention(
             DIM=_next_pow2(dim),
         )
     if plan.prefill:
-        tile = max(_ROWS // group_pow2, 1)
+        tile = prefill_tile(groups)
         tiles = plan.triton_tiles.get(tile)
         if tiles is None:
             tiles = plan.triton_tiles[tile] = _tiles(meta, plan, tile)
@@ -299,6 +299,11 @@ def triton_paged_attention(
 #: per inner step.
 _ROWS = 64
 _KV_TILE = 32
+
+
+def prefill_tile(groups: int) -> int:
+    """New tokens per prefill program, for ``groups`` query heads per KV head."""
+    return max(_ROWS // _next_pow2(groups), 1)
 
 
 def _tiles(
