@@ -178,7 +178,7 @@ def test_auto_backend_falls_back_to_torch_once_triton_fails(
     with pytest.warns(RuntimeWarning, match="no kernel for this GPU"):
         out = paged_attention(query, k, v, meta)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert not attention._auto_triton(query, k, v, 1.0)  # "auto" stays on torch from now on
+    assert not attention._auto_triton(query, k, 1.0)  # "auto" stays on torch from now on
     with pytest.raises(RuntimeError, match="no kernel"):  # an explicit choice is not hidden
         paged_attention(query, cache.key[0], cache.value[0], meta, backend="triton")
 

@@ -342,7 +342,7 @@ def test_selfcheck_verdicts_are_per_device_and_geometry(monkeypatch: pytest.Monk
 
     def verified(device: str, heads: int = 4) -> bool:
         query = torch.empty(3, heads, 8, device=device)
-        return sc.kernels_verified(query, cache.to(device), cache.to(device), 8**-0.5)
+        return sc.kernels_verified(query, cache.to(device), 8**-0.5)
 
     with pytest.warns(RuntimeWarning) as caught:
         first = [verified("meta"), verified("meta"), verified("meta", heads=8)]

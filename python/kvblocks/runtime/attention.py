@@ -300,9 +300,7 @@ def paged_attention(
     if plan.max_num_blocks > num_blocks:
         raise ValueError(f"block id {plan.max_num_blocks - 1} out of range ({num_blocks} blocks)")
     scale = query.shape[2] ** -0.5 if scale is None else float(scale)
-    if backend == "triton" or (
-        backend == "auto" and _auto_triton(query, key_cache, value_cache, scale)
-    ):
+    if backend == "triton" or (backend == "auto" and _auto_triton(query, key_cache, scale)):
         from kvblocks.runtime import triton_attention
 
         try:
@@ -346,9 +344,7 @@ def torch_paged_attention(
 _TRITON_DEVICE_TYPES = frozenset({"cuda"})
 
 
-def _auto_triton(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float
-) -> bool:
+def _auto_triton(query: torch.Tensor, key_cache: torch.Tensor, scale: float) -> bool:
     """Whether ``backend="auto"`` takes the Triton kernels for this call: on a CUDA device,
     when Triton imports, and once both kernels passed their self-check there (see
     :mod:`kvblocks.runtime.triton_selfcheck`; the first call on a device runs it)."""
@@ -356,7 +352,7 @@ def _auto_triton(
         return False
     from kvblocks.runtime import triton_selfcheck
 
-    return triton_selfcheck.kernels_verified(query, key_cache, value_cache, scale)
+    return triton_selfcheck.kernels_verified(query, key_cache, scale)
 
 
 @functools.cache

@@ -9,7 +9,8 @@
 
 Every load past a token's visible context is masked (never read) and every masked score is
 selected away with ``tl.where``, so nothing outside a request's context can reach the output.
-Used by :func:`kvblocks.runtime.paged_attention` on CUDA when Triton is importable; runs on the
+Used by :func:`kvblocks.runtime.paged_attention` on CUDA when Triton is importable and the
+kernels passed their self-check there (:mod:`kvblocks.runtime.triton_selfcheck`); runs on the
 CPU under ``TRITON_INTERPRET=1``, which is how the tests check it against the torch path.
 """
 

@@ -114,6 +114,8 @@ class Geometry:
 
 @dataclass(frozen=True)
 class SelfCheck:
+    """Both kernels' results on one device for one geometry."""
+
     device: str
     geometry: Geometry
     checks: tuple[KernelCheck, ...]  # decode, prefill
@@ -256,9 +258,7 @@ _VERIFIED: set[tuple[str, Geometry]] = set()
 _TORCH_ONLY: set[str] = set()
 
 
-def kernels_verified(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float
-) -> bool:
+def kernels_verified(query: torch.Tensor, key_cache: torch.Tensor, scale: float) -> bool:
     """Whether ``backend="auto"`` may run the Triton kernels for this call: runs the check the
     first time a device sees this geometry; a failure sends the device to the torch path."""
     device = str(query.device)
