@@ -157,20 +157,28 @@ def test_nan_in_the_tail_of_the_last_block_is_never_read() -> None:
 def test_auto_backend_falls_back_to_torch_once_triton_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvblocks.runtime import attention, triton_attention
+    """A kernel that passed its self-check (here: a check that passes) but raises on a real
+    call: one warning, the torch path's result, and torch on that device from then on."""
+    from kvblocks.runtime import attention, triton_attention, triton_selfcheck
 
     def broken(*args: object) -> None:
         raise RuntimeError("no kernel for this GPU")
 
-    monkeypatch.setattr(attention, "_TRITON_FAILURES", [])
+    def passing_check(device: torch.device, *args: object, **kw: object) -> object:
+        return triton_selfcheck.SelfCheck(str(device), None, ())  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_selfcheck, "_VERIFIED", set())
+    monkeypatch.setattr(triton_selfcheck, "_TORCH_ONLY", set())
+    monkeypatch.setattr(triton_selfcheck, "check_kernels", passing_check)
     monkeypatch.setattr(attention, "triton_available", lambda: True)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(attention, "_TRITON_DEVICE_TYPES", frozenset({"cpu"}))
     monkeypatch.setattr(triton_attention, "triton_paged_attention", broken)
     query, cache, meta, expected = _attention_case("cpu", 16, 4, "nan")
+    k, v = cache.key[0], cache.value[0]
     with pytest.warns(RuntimeWarning, match="no kernel for this GPU"):
-        out = paged_attention(query, cache.key[0], cache.value[0], meta)
+        out = paged_attention(query, k, v, meta)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert not attention._auto_triton(query)  # "auto" stays on torch from now on
+    assert not attention._auto_triton(query, k, 1.0)  # "auto" stays on torch from now on
     with pytest.raises(RuntimeError, match="no kernel"):  # an explicit choice is not hidden
         paged_attention(query, cache.key[0], cache.value[0], meta, backend="triton")
 

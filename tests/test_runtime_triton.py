@@ -142,12 +142,12 @@ print(json.dumps(results))
 """
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, Any]:
-    """Runs every case once in a child process with ``TRITON_INTERPRET=1``."""
+def _run_interpreted(*argv: str) -> dict[str, Any]:
+    """Runs ``python *argv`` in ``tests/`` with ``TRITON_INTERPRET=1``; its last line of output
+    is a JSON object (``{"skip": reason}`` where Triton cannot be imported)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(CASES)],
+        [sys.executable, *argv],
         cwd=HERE,
         env=env,
         capture_output=True,
@@ -159,6 +159,12 @@ def interpreted() -> dict[str, Any]:
     if "skip" in results:
         pytest.skip(results["skip"])
     return results
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, Any]:
+    """Runs every case once in a child process with ``TRITON_INTERPRET=1``."""
+    return _run_interpreted("-c", CHILD, json.dumps(CASES))
 
 
 def _check(result: Any, atol: float) -> None:
@@ -215,3 +221,138 @@ def test_triton_backend_refuses_cpu_tensors_without_the_interpreter() -> None:
     )
     with pytest.raises(ValueError, match="CUDA"):
         paged_attention(torch.ones(1, 1, 8), cache.key[0], cache.value[0], meta, backend="triton")
+
+
+# The self-check of ``backend="auto"`` (kvblocks.runtime.triton_selfcheck): tests/
+# triton_selfcheck_child.py runs each scenario under the interpreter, with "cpu" counted as a
+# Triton device, one or both kernels replaced by a wrong (or raising) wrapper of the real one,
+# and three "auto" calls on a mixed batch of decodes and prefill chunks.
+
+
+@pytest.fixture(scope="module")
+def selfcheck() -> dict[str, Any]:
+    return _run_interpreted("triton_selfcheck_child.py")
+
+
+def test_selfcheck_accepts_the_real_kernels_once(selfcheck: dict[str, Any]) -> None:
+    """No warning; the check launches Triton twice (decode batch, prefill batch) on the first
+    call only; every "auto" call returns the Triton path's result, which is not bit-identical
+    to the torch path's (so this observes which path ran)."""
+    result = selfcheck["real"]
+    assert isinstance(result, dict), result
+    assert result["warnings"] == []
+    assert result["torch_only"] == []
+    assert result["launches_after_first"] == 2 + 1
+    assert result["launches"] == 2 + 3
+    assert result["auto_is_triton"]
+    assert not result["triton_is_torch"]
+    assert result["triton_vs_torch"] < 1e-5
+
+
+def test_selfcheck_tolerates_an_error_below_the_tolerance(selfcheck: dict[str, Any]) -> None:
+    """A decode kernel off by 1e-6 (float32 tolerance 1e-4) is still used."""
+    result = selfcheck["decode off by 1e-6"]
+    assert isinstance(result, dict), result
+    assert result["warnings"] == []
+    assert result["auto_is_triton"]
+    assert not result["triton_is_torch"]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "kernel", "error"),
+    [
+        ("decode off by 1e-3", "decode", "max abs error 0.001 > tolerance 0.0001"),
+        ("decode swaps requests", "decode", "max abs error"),
+        ("decode reads past the context", "decode", "non-finite output"),
+        ("decode ignores GQA", "decode", "max abs error"),
+        ("decode raises", "decode", "raised RuntimeError('decode launch failed')"),
+        ("prefill off by 1e-3", "prefill", "max abs error 0.001 > tolerance 0.0001"),
+        ("prefill not causal", "prefill", "max abs error"),
+        ("prefill reads past the context", "prefill", "non-finite output"),
+        ("prefill raises", "prefill", "raised RuntimeError('prefill launch failed')"),
+    ],
+)
+def test_selfcheck_rejects_a_wrong_kernel(
+    selfcheck: dict[str, Any], scenario: str, kernel: str, error: str
+) -> None:
+    """One RuntimeWarning naming the kernel and its error; the device goes to the torch path:
+    every "auto" call returns the torch path's result (not the wrong kernel's), and after the
+    check's two launches Triton never runs again."""
+    result = selfcheck[scenario]
+    assert isinstance(result, dict), result
+    assert result["categories"] == ["RuntimeWarning"]
+    (message,) = result["warnings"]
+    assert message.startswith(f"the Triton {kernel} kernel failed the self-check on cpu")
+    other = "prefill" if kernel == "decode" else "decode"
+    assert other not in message
+    assert f"{kernel}: {error}" in message
+    assert message.endswith("using the torch path on cpu for the rest of this process")
+    assert result["torch_only"] == ["cpu"]
+    assert result["launches_after_first"] == result["launches"] == 2
+    assert result["auto_is_torch"]
+    assert not result["auto_is_triton"]
+    assert not result["triton_is_torch"]  # the wrong kernel's output (or exception) differs
+
+
+def test_selfcheck_names_both_kernels_in_one_warning(selfcheck: dict[str, Any]) -> None:
+    result = selfcheck["both raise"]
+    assert isinstance(result, dict), result
+    (message,) = result["warnings"]
+    assert message.startswith("the Triton decode and prefill kernels failed the self-check")
+    assert "decode: raised RuntimeError('decode down')" in message
+    assert "prefill: raised RuntimeError('prefill down')" in message
+    assert result["auto_is_torch"]
+    assert result["launches"] == 2
+
+
+def test_selfcheck_errors_of_the_real_kernels(selfcheck: dict[str, Any]) -> None:
+    """The real kernels' errors against the float64 torch path stay inside the bounds
+    triton_selfcheck's docstring derives (float32 under 1e-6; float16 under its 3.5e-3
+    worst case), for GQA and block size 1 alike. (A bfloat16 query is not run: the
+    interpreter's ``tl.dot`` multiplies bfloat16 operands as their raw uint16 bits.)"""
+    rows = selfcheck["errors"]
+    assert len(rows) == 6
+    for geometry, checks in rows.items():
+        bound = 3.5e-3 if geometry.startswith("float16") else 1e-6
+        assert [c[0] for c in checks] == ["decode", "prefill"]
+        for kernel, error, tol, exception in checks:
+            assert exception is None, (geometry, kernel, exception)
+            assert 0 < error < bound <= tol, (geometry, kernel, error)
+
+
+def test_selfcheck_verdicts_are_per_device_and_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bookkeeping around the check (the check itself replaced: no Triton here): one
+    check per device and geometry, a failure sends only that device to torch, with one
+    warning, and it is never checked again."""
+    from kvblocks.runtime import triton_selfcheck as sc
+
+    monkeypatch.setattr(sc, "_VERIFIED", set())
+    monkeypatch.setattr(sc, "_TORCH_ONLY", set())
+    calls: list[tuple[str, int]] = []
+
+    def fake_check(device: torch.device, *args: Any, **kw: Any) -> sc.SelfCheck:
+        calls.append((str(device), kw["heads"]))
+        error = 0.5 if str(device) == "meta" else 0.0
+        geometry = sc.Geometry(torch.float32, torch.float32, kw["heads"], 2, 8, 16)
+        checks = (sc.KernelCheck("decode", 0.0, 1e-4), sc.KernelCheck("prefill", error, 1e-4))
+        return sc.SelfCheck(str(device), geometry, checks)
+
+    monkeypatch.setattr(sc, "check_kernels", fake_check)
+    cache = torch.empty(4, 16, 2, 8)
+
+    def verified(device: str, heads: int = 4) -> bool:
+        query = torch.empty(3, heads, 8, device=device)
+        return sc.kernels_verified(query, cache.to(device), 8**-0.5)
+
+    with pytest.warns(RuntimeWarning) as caught:
+        first = [verified("meta"), verified("meta"), verified("meta", heads=8)]
+    assert first == [False, False, False]
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith("the Triton prefill kernel failed")
+    assert "max abs error 0.5 > tolerance 0.0001" in str(caught[0].message)
+    assert calls == [("meta", 4)]
+    for _ in range(3):
+        assert verified("cpu")
+    assert verified("cpu", heads=8)  # another geometry: checked once more
+    assert calls == [("meta", 4), ("cpu", 4), ("cpu", 8)]
+    assert sorted(sc._TORCH_ONLY) == ["meta"]

@@ -13,7 +13,8 @@ A step's requests are split once (on the host, when the metadata is built) into
 Only the slots of a request's context are ever read, so whatever sits in the rest of the cache
 (the tail of a request's last block, other requests' blocks, the null block 0, NaN or Inf
 included) cannot change the result. On CUDA, when Triton is importable, the same work runs in
-the Triton kernels of :mod:`kvblocks.runtime.triton_attention`; this torch path is the
+the Triton kernels of :mod:`kvblocks.runtime.triton_attention` once they have passed their
+self-check on the device (:mod:`kvblocks.runtime.triton_selfcheck`); this torch path is the
 fallback and the reference.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -288,7 +288,8 @@ def paged_attention(
     """Attention of the step's new tokens (``query``: ``[T, num_heads, head_dim]``) over each
     request's cached and new K/V, read through the block table; returns ``[T, heads, dim]`` in
     the query's dtype. ``backend``: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA
-    when it is importable, else torch)."""
+    when it is importable and its kernels passed their self-check on the device, else
+    torch)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     _check(query, key_cache, value_cache)
@@ -299,7 +300,7 @@ def paged_attention(
     if plan.max_num_blocks > num_blocks:
         raise ValueError(f"block id {plan.max_num_blocks - 1} out of range ({num_blocks} blocks)")
     scale = query.shape[2] ** -0.5 if scale is None else float(scale)
-    if backend == "triton" or (backend == "auto" and _auto_triton(query)):
+    if backend == "triton" or (backend == "auto" and _auto_triton(query, key_cache, scale)):
         from kvblocks.runtime import triton_attention
 
         try:
@@ -309,13 +310,23 @@ def paged_attention(
         except Exception as e:  # a kernel that does not build here: the torch path works
             if backend == "triton":
                 raise
-            _TRITON_FAILURES.append(repr(e))
-            warnings.warn(
-                f"the Triton paged-attention kernel failed ({e!r}); using the torch path "
-                "from now on in this process",
-                RuntimeWarning,
-                stacklevel=2,
+            from kvblocks.runtime import triton_selfcheck
+
+            triton_selfcheck.use_torch_on(
+                query.device, f"the Triton paged-attention kernels failed ({e!r})", stacklevel=2
             )
+    return torch_paged_attention(query, key_cache, value_cache, plan, scale)
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: StepPlan,
+    scale: float,
+) -> torch.Tensor:
+    """The torch path of :func:`paged_attention` (arguments checked there): the fallback, and
+    the reference the Triton kernels are checked against."""
     out = query.new_empty(query.shape)
     for bucket in plan.decode:
         out[bucket.tokens] = _decode_attention(
@@ -328,13 +339,20 @@ def paged_attention(
     return out
 
 
-#: Failures of the Triton kernel under ``backend="auto"`` (after one, "auto" means torch).
-_TRITON_FAILURES: list[str] = []
+#: The device types on which ``backend="auto"`` considers the Triton kernels (the tests add
+#: ``"cpu"`` to run the whole "auto" path under ``TRITON_INTERPRET=1``).
+_TRITON_DEVICE_TYPES = frozenset({"cuda"})
 
 
-def _auto_triton(query: torch.Tensor) -> bool:
-    """Whether ``backend="auto"`` takes the Triton kernel for this query."""
-    return query.is_cuda and not _TRITON_FAILURES and triton_available()
+def _auto_triton(query: torch.Tensor, key_cache: torch.Tensor, scale: float) -> bool:
+    """Whether ``backend="auto"`` takes the Triton kernels for this call: on a CUDA device,
+    when Triton imports, and once both kernels passed their self-check there (see
+    :mod:`kvblocks.runtime.triton_selfcheck`; the first call on a device runs it)."""
+    if query.device.type not in _TRITON_DEVICE_TYPES or not triton_available():
+        return False
+    from kvblocks.runtime import triton_selfcheck
+
+    return triton_selfcheck.kernels_verified(query, key_cache, scale)
 
 
 @functools.cache

@@ -9,7 +9,8 @@
 
 Every load past a token's visible context is masked (never read) and every masked score is
 selected away with ``tl.where``, so nothing outside a request's context can reach the output.
-Used by :func:`kvblocks.runtime.paged_attention` on CUDA when Triton is importable; runs on the
+Used by :func:`kvblocks.runtime.paged_attention` on CUDA when Triton is importable and the
+kernels passed their self-check there (:mod:`kvblocks.runtime.triton_selfcheck`); runs on the
 CPU under ``TRITON_INTERPRET=1``, which is how the tests check it against the torch path.
 """
 
@@ -273,7 +274,7 @@ def triton_paged_attention(
             DIM=_next_pow2(dim),
         )
     if plan.prefill:
-        tile = max(_ROWS // group_pow2, 1)
+        tile = prefill_tile(groups)
         tiles = plan.triton_tiles.get(tile)
         if tiles is None:
             tiles = plan.triton_tiles[tile] = _tiles(meta, plan, tile)
@@ -299,6 +300,11 @@ def triton_paged_attention(
 #: per inner step.
 _ROWS = 64
 _KV_TILE = 32
+
+
+def prefill_tile(groups: int) -> int:
+    """New tokens per prefill program, for ``groups`` query heads per KV head."""
+    return max(_ROWS // _next_pow2(groups), 1)
 
 
 def _tiles(
