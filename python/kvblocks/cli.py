@@ -419,10 +419,11 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
-#: ``kvblocks bench --threads``' default. The embedded model's matrices are small and the
-#: two backends are compared one run at a time, so torch's extra threads have little to split
-#: and, on a machine whose cores are busy, wait on each other: on a shared 2-core machine
-#: torch's default (2) ran the default bench 3 to 15 times slower than 1 thread did.
+#: ``kvblocks bench --threads``' default. The embedded model's matrices are small (hidden
+#: size 64), so torch's extra threads have little to split and, where the cores are busy, wait
+#: on each other: on a shared 2-core machine torch's default (2 threads) made the default bench
+#: 2.5 to 10 times slower than 1 thread, and Rust slower end to end than the twin
+#: (0.64x [0.51x-0.89x]) while its bookkeeping was 11x faster.
 DEFAULT_TORCH_THREADS = 1
 
 
