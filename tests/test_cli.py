@@ -9,6 +9,7 @@ import logging
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 import kvblocks
 from kvblocks import cli
-from kvblocks.engine_bench import Spread, compare, round_orders
+from kvblocks.engine_bench import Comparison, Run, Spread, compare, round_orders
 from kvblocks.vllm.bench_logs import held_back, summary
 from kvblocks.workloads import (
     DECODE_LENGTH,
@@ -356,3 +357,26 @@ def test_vllm_logs_are_held_back_counted_and_the_loggers_restored() -> None:
         "ERROR [vllm.config] once",
     ]
     assert (tree.handlers, tree.propagate, ours.level) == (handlers, propagate, level)
+
+
+def test_the_chart_puts_bookkeeping_on_an_axis_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra")
+    from kvblocks.engine_bench_report import plot
+
+    def run(backend: str, round_index: int, wall: float, book: float) -> Run:
+        stats = SimpleNamespace(bookkeeping_s=book, model_s=wall - book)
+        return Run(backend, round_index, 32, wall, 1024, stats)  # type: ignore[arg-type]
+
+    runs = [run("rust", 0, 1.2, 0.010), run("python", 0, 1.0, 0.200)]
+    runs += [run("python", 1, 1.1, 0.300), run("rust", 1, 1.0, 0.020)]
+    runs += [run("rust", 2, 1.4, 0.030), run("python", 2, 1.3, 0.250)]
+    fig = plot(Comparison(("rust", "python"), runs, 1), str(tmp_path / "chart.png"))
+    assert (tmp_path / "chart.png").stat().st_size > 0
+    bookkeeping, end_to_end = fig.axes
+    assert [b.get_height() for b in bookkeeping.patches] == pytest.approx([20.0, 250.0])
+    assert [b.get_height() for b in end_to_end.patches] == pytest.approx([1200.0, 1100.0])
+    # Within each round: 200/10, 300/20, 250/30; the median is 15 (not 250/20 = 12.5).
+    assert bookkeeping.get_title() == "bookkeeping: Rust 15.0x faster"
+    capsys.readouterr()

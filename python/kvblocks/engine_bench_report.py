@@ -3,6 +3,8 @@ and the speed-ups as text, and a chart with bookkeeping on an axis of its own.""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvblocks.engine_bench import Comparison, Spread
 
 
@@ -52,9 +54,10 @@ def print_report(result: Comparison) -> None:
     )
 
 
-def plot(result: Comparison, path: str) -> None:
+def plot(result: Comparison, path: str) -> Any:
     """Two panels: bookkeeping per run on its own axis (the model's time, and its noise, is
-    not in it), and the whole run; bars at the median, whiskers at the min and max."""
+    not in it), and the whole run; bars at the median, whiskers at the min and max. Returns
+    the matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,3 +88,4 @@ def plot(result: Comparison, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")
+    return fig
