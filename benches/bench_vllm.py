@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vllm (pip install 'kvblocks[vllm]')")
+pytest.importorskip("vllm", reason='needs vllm (pip install ".[vllm]" in a kvblocks checkout)')
 
 import kvblocks.vllm
 from kvblocks.vllm.bench_driver import (

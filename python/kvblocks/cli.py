@@ -1,9 +1,10 @@
 """The ``kvblocks`` command line.
 
 ``kvblocks bench``  generates on the embedded tiny model with the Rust and the Python block
-                    manager and shows where the time goes (bookkeeping vs model);
-                    ``--engine vllm`` runs vLLM 0.33's own scheduler with and without
-                    kvblocks instead (needs kvblocks[vllm]).
+                    manager (warmed up, in alternating order, several rounds) and shows
+                    where the time goes (bookkeeping vs model); ``--engine vllm`` runs
+                    vLLM 0.33's own scheduler with and without kvblocks instead
+                    (needs vLLM: pip install ".[vllm]" in a kvblocks checkout).
 ``kvblocks bench-hashing``  times block hashing, Rust against the pure-Python twin.
 ``kvblocks hash``   prints the chained block hashes of a JSON list of token ids.
 """
@@ -14,12 +15,17 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import kvblocks
+from kvblocks._install import install_hint
+from kvblocks.engine_bench import compare, round_orders
+from kvblocks.engine_bench_report import plot, print_report
 from kvblocks.workloads import (
     DECODE_LENGTH,
+    DECODE_PROMPT_LENGTH,
     HASHING_BLOCK_SIZE,
     HASHING_PROMPT_LENGTHS,
     decode_workload,
@@ -71,7 +77,8 @@ def _twin() -> Any:
 def bench_hashing(args: argparse.Namespace) -> int:
     twin = _twin()
     if twin is None:
-        print("note: install kvblocks[reference] (cbor2, xxhash) to compare with the twin")
+        hint = install_hint("reference")
+        print(f"note: to compare with the twin, install cbor2 and xxhash: {hint}")
     cases: list[tuple[str, str, Workload]] = []
     for n in args.tokens:
         tokens = hashing_prompt(n)
@@ -111,17 +118,26 @@ def bench_hashing(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bar(label: str) -> Callable[[int, int], None]:
-    def show(done: int, total: int) -> None:
-        filled = 30 * done // max(total, 1)
-        print(
-            f"\r{label:<8} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
+def _show_bar(label: str, done: int, total: int) -> None:
+    filled = 30 * done // max(total, 1)
+    print(
+        f"\r{label:<22} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
 
-    return show
+
+def _bar(label: str) -> Callable[[int, int], None]:
+    return lambda done, total: _show_bar(label, done, total)
+
+
+def _clear_bar() -> None:
+    print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
+
+
+#: The options only ``--engine kvblocks`` reads.
+_KVBLOCKS_ENGINE_ONLY = ("model", "device", "dtype", "threads", "warmup")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -129,80 +145,103 @@ def bench(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ModuleNotFoundError:
-            print("--plot needs matplotlib: pip install 'kvblocks[plot]'", file=sys.stderr)
+            print(f"--plot needs matplotlib: {install_hint('plot')}", file=sys.stderr)
             return 2
     if args.engine == "vllm":
-        if args.model or args.device or args.dtype:
-            print("--model, --device and --dtype apply to --engine kvblocks", file=sys.stderr)
+        given = [f"--{name}" for name in _KVBLOCKS_ENGINE_ONLY if getattr(args, name) is not None]
+        if given:
+            print(f"{', '.join(given)}: these options apply to --engine kvblocks", file=sys.stderr)
             return 2
         return bench_vllm(args)
-    _engine_defaults(args, num_requests=32, prefix_len=1024, suffix_len=64, hash_algo="sha256_cbor")
+    return bench_engine(args)
+
+
+@contextmanager
+def _torch_threads(torch: Any, threads: int) -> Iterator[int]:
+    """torch's intra-op thread count set to ``threads`` for the block; yields torch's own
+    setting, which is put back afterwards (``main`` may run inside a caller's process)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield before
+    finally:
+        torch.set_num_threads(before)
+
+
+def bench_engine(args: argparse.Namespace) -> int:
+    """``kvblocks.LLM`` with the Rust block manager against its pure-Python twin."""
+    _engine_defaults(
+        args,
+        num_requests=32,
+        prefix_len=1024,
+        suffix_len=64,
+        hash_algo="sha256_cbor",
+        rounds=5,
+        warmup=1,
+        threads=DEFAULT_TORCH_THREADS,
+    )
     try:
         import torch
 
         from kvblocks.engine import LLM, SamplingParams, parse_device
     except ModuleNotFoundError as e:  # torch is an optional extra
-        print(f"kvblocks bench needs torch: pip install 'kvblocks[torch]' ({e})", file=sys.stderr)
+        print(f"kvblocks bench needs torch ({e}): {install_hint('torch')}", file=sys.stderr)
         return 2
     from kvblocks.model import LlamaConfig, LlamaForCausalLM, load_pretrained
 
-    device = parse_device(args.device or "cpu")
-    dtype = getattr(torch, args.dtype or "float32")
-    model: LlamaForCausalLM | None = None
-    model_name = "embedded tiny model"
-    vocab_size = LlamaConfig().vocab_size
-    if args.model:
-        model = load_pretrained(args.model, dtype=dtype, device=device)
-        model_name, vocab_size = f"model {args.model}", model.config.vocab_size
-    prompts = shared_prefix_prompts(
-        args.num_requests, args.prefix_len, args.suffix_len, vocab_size=vocab_size
-    )
-    params = SamplingParams(max_tokens=args.output_len)
-    backends = ["rust", "python"] if args.backend == "both" else [args.backend]
-    rows = []
-    for backend in backends:
-        llm = LLM(
-            model,
-            backend=backend,
-            block_size=args.block_size,
-            hash_algo=args.hash_algo,
-            max_num_seqs=args.max_num_seqs or 32,
-            max_num_batched_tokens=4096,
-            device=device,
-            dtype=dtype,
+    with _torch_threads(torch, args.threads) as torch_default:
+        device = parse_device(args.device or "cpu")
+        dtype = getattr(torch, args.dtype or "float32")
+        if args.model:
+            model = load_pretrained(args.model, dtype=dtype, device=device)
+            model_name = f"model {args.model}"
+        else:  # what LLM(None) builds, once for every run
+            model = LlamaForCausalLM.random(LlamaConfig(), seed=0, dtype=dtype, device=device)
+            model_name = "embedded tiny model"
+        prompts = shared_prefix_prompts(
+            args.num_requests, args.prefix_len, args.suffix_len, vocab_size=model.config.vocab_size
         )
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, progress=_bar(backend))
-        wall = time.perf_counter() - start
-        print(file=sys.stderr)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        rows.append((backend, wall, tokens, llm.stats))
+
+        def make_engine(backend: str) -> Any:
+            return LLM(
+                model,
+                backend=backend,
+                block_size=args.block_size,
+                hash_algo=args.hash_algo,
+                max_num_seqs=args.max_num_seqs or 32,
+                max_num_batched_tokens=4096,
+                device=device,
+                dtype=dtype,
+            )
+
+        backends = ["rust", "python"] if args.backend == "both" else [args.backend]
+        result = compare(
+            make_engine,
+            prompts,
+            SamplingParams(max_tokens=args.output_len),
+            backends,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            progress=_show_bar,
+        )
+        _clear_bar()
+    if len(backends) == 2:
+        order = "  ".join(",".join(b[0].upper() for b in o) for o in round_orders(backends, 4))
+        rounds = f"{args.rounds} timed rounds, the order alternating ({order} ...)"
+    else:
+        rounds = f"{args.rounds} timed runs"
     print(
-        f"\nkvblocks {kvblocks.__version__}: {args.num_requests} requests, {args.prefix_len}-token "
+        f"kvblocks {kvblocks.__version__}: {args.num_requests} requests, {args.prefix_len}-token "
         f"shared prefix + {args.suffix_len} own tokens, {args.output_len} output tokens, "
         f"block size {args.block_size}, {args.hash_algo}, {model_name} on {device}, "
         f"{str(dtype).removeprefix('torch.')} KV cache\n"
+        f"torch threads: {args.threads} (--threads; torch's default here: {torch_default}). "
+        f"Per backend {args.warmup} untimed warm-up run(s), then {rounds}; "
+        f"median [min-max] over the rounds.\n"
     )
-    header = (
-        f"{'backend':<8} {'requests/s':>10} {'out tok/s':>10} {'prefix hits':>11} "
-        f"{'bookkeeping':>11} {'model':>7}"
-    )
-    print(header)
-    print("-" * len(header))
-    for backend, wall, tokens, stats in rows:
-        print(
-            f"{backend:<8} {args.num_requests / wall:>10.1f} {tokens / wall:>10.1f} "
-            f"{stats.prefix_hit_rate:>10.1%} {stats.bookkeeping_share:>11.1%} "
-            f"{1 - stats.bookkeeping_share:>7.1%}"
-        )
-    if len(rows) == 2:
-        speedup = rows[1][3].bookkeeping_s / rows[0][3].bookkeeping_s
-        print(
-            f"\nRust speed-up on bookkeeping (hashing, block management, scheduling): "
-            f"{speedup:.1f}x"
-        )
+    print_report(result)
     if args.plot:
-        _plot(rows, args.plot)
+        plot(result, args.plot)
     return 0
 
 
@@ -213,38 +252,72 @@ def _engine_defaults(args: argparse.Namespace, **defaults: Any) -> None:
             setattr(args, name, value)
 
 
+def vllm_missing_message(error: ModuleNotFoundError) -> str:
+    """What ``--engine vllm`` says when an import fails: vLLM itself is missing, or vLLM is
+    there but one of its own dependencies is not (vLLM installed with ``--no-deps``)."""
+    if error.name == "vllm":
+        return f"--engine vllm needs vLLM 0.33, which is not installed: {install_hint('vllm')}"
+    return (
+        f"--engine vllm: vLLM is installed, but a module it imports is missing: {error.name!r} "
+        f"({error}); install the package that provides it, or reinstall vLLM with its "
+        f"dependencies ({install_hint('vllm')})"
+    )
+
+
+def _print_logs(lines: list[str], heading: str) -> None:
+    if lines:
+        print("\n".join([heading, *("  " + line for line in lines)]), file=sys.stderr)
+
+
 def bench_vllm(args: argparse.Namespace) -> int:
     """Stock vLLM 0.33 against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU)."""
-    _engine_defaults(args, num_requests=256, prefix_len=1500, suffix_len=500, hash_algo="sha256")
+    _engine_defaults(
+        args, num_requests=256, prefix_len=1500, suffix_len=500, hash_algo="sha256", rounds=3
+    )
     from kvblocks.vllm import status
+    from kvblocks.vllm.bench_logs import held_back, summary
     from kvblocks.vllm.block_hasher import ALGORITHMS
 
     if args.hash_algo not in ALGORITHMS:
         print(f"vLLM has no hash algorithm {args.hash_algo!r}", file=sys.stderr)
         return 2
-    try:
-        from tqdm import tqdm
+    print("loading vLLM ...", file=sys.stderr, flush=True)
+    # vLLM's imports and first configuration log their warnings here, once, before the bar.
+    with held_back() as start_up:
+        try:
+            import vllm  # noqa: F401
 
-        from kvblocks.vllm.bench import IMPLS, compare
-        from kvblocks.vllm.bench_driver import SchedulerSpec, Workload
-    except ModuleNotFoundError as e:
-        print(f"--engine vllm needs vllm: pip install 'kvblocks[vllm]' ({e})", file=sys.stderr)
-        return 2
-    workload = Workload(
-        num_requests=args.num_requests,
-        prompt_len=args.prefix_len + args.suffix_len,
-        shared_len=args.prefix_len,
-        output_len=args.output_len,
-    )
-    spec = SchedulerSpec(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        hash_algo=args.hash_algo,
-        max_num_seqs=args.max_num_seqs or args.num_requests,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    with tqdm(total=len(IMPLS) * (args.rounds + 1), desc="vLLM scheduler", unit="run") as bar:
-        result = compare(workload, spec, rounds=args.rounds, progress=lambda impl: bar.update())
+            from kvblocks.vllm.bench import IMPLS, SchedulerSpec, Workload, compare, prepare
+        except ModuleNotFoundError as e:
+            print(vllm_missing_message(e), file=sys.stderr)
+            return 2
+        workload = Workload(
+            num_requests=args.num_requests,
+            prompt_len=args.prefix_len + args.suffix_len,
+            shared_len=args.prefix_len,
+            output_len=args.output_len,
+        )
+        spec = SchedulerSpec(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            hash_algo=args.hash_algo,
+            max_num_seqs=args.max_num_seqs or args.num_requests,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        prepare(spec)
+    _print_logs(summary(start_up), "vLLM's start-up said:")
+    show, total, done = _bar("vLLM scheduler"), len(IMPLS) * (args.rounds + 1), [0]
+
+    def progress(impl: str) -> None:
+        done[0] += 1
+        show(done[0], total)
+
+    show(0, total)
+    # vLLM rebuilds its configuration for every run and warns again each time.
+    with held_back() as during:
+        result = compare(workload, spec, rounds=args.rounds, progress=progress)
+    _clear_bar()
+    _print_logs(summary(during), "logged during the runs (each message once):")
     print(
         f"\nkvblocks {kvblocks.__version__} in vLLM {status().vllm_version}: {args.num_requests} "
         f"requests, {workload.prompt_len}-token prompts sharing {workload.shared_len}, "
@@ -307,26 +380,6 @@ def _plot_vllm(result: Any, path: str) -> None:
     print(f"plot written to {path}")
 
 
-def _plot(rows: list[Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r[0] for r in rows]
-    book = [r[3].bookkeeping_s for r in rows]
-    model = [r[3].model_s for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(names, model, label="model (forward + sampling)", color="#8fb3d9")
-    ax.bar(names, book, bottom=model, label="bookkeeping (kvblocks)", color="#d95f5f")
-    ax.set_ylabel("seconds")
-    ax.set_title("kvblocks bench: where the time goes")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
-
-
 def hash_command(args: argparse.Namespace) -> int:
     source = sys.stdin if args.file == "-" else open(args.file)  # noqa: SIM115
     with source:
@@ -338,8 +391,40 @@ def hash_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+def _int_at_least(minimum: int, name: str) -> Callable[[str], int]:
+    """An argparse ``type``: an int of at least ``minimum``, or argparse's usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+positive_int = _int_at_least(1, "positive_int")
+non_negative_int = _int_at_least(0, "non_negative_int")
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive ints (argparse ``type``)."""
+    values = [positive_int(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated positive integers")
+    return values
+
+
+#: ``kvblocks bench --threads``' default. The embedded model's matrices are small (hidden
+#: size 64), so torch's extra threads have little to split and, where the cores are busy, wait
+#: on each other: on a shared 2-core machine torch's default (2 threads) made the default bench
+#: 2.5 to 10 times slower than 1 thread, and Rust slower end to end than the twin
+#: (0.64x [0.51x-0.89x]) while its bookkeeping was 11x faster.
+DEFAULT_TORCH_THREADS = 1
 
 
 def parser() -> argparse.ArgumentParser:
@@ -357,32 +442,64 @@ def parser() -> argparse.ArgumentParser:
         choices=["kvblocks", "vllm"],
         default="kvblocks",
         help="kvblocks: kvblocks.LLM, Rust vs the Python twin (default); vllm: vLLM 0.33's "
-        "scheduler, stock vs with kvblocks (needs kvblocks[vllm])",
+        'scheduler, stock vs with kvblocks (needs vLLM 0.33: pip install ".[vllm]")',
     )
-    e.add_argument("--num-requests", type=int, help="default 32 (kvblocks), 256 (vllm)")
+    e.add_argument("--num-requests", type=positive_int, help="default 32 (kvblocks), 256 (vllm)")
     e.add_argument(
-        "--prefix-len", type=int, help="shared prompt prefix; default 1024 (kvblocks), 1500 (vllm)"
+        "--prefix-len",
+        type=non_negative_int,
+        help="shared prompt prefix; default 1024 (kvblocks), 1500 (vllm)",
     )
     e.add_argument(
         "--suffix-len",
-        type=int,
+        type=non_negative_int,
         help="each request's own tokens; default 64 (kvblocks), 500 (vllm)",
     )
-    e.add_argument("--output-len", type=int, default=32, help="tokens generated per request")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument(
+        "--output-len", type=positive_int, default=32, help="tokens generated per request"
+    )
+    e.add_argument("--block-size", type=positive_int, default=16)
     e.add_argument(
         "--hash-algo",
         choices=kvblocks.HASH_ALGORITHMS,
         help="default sha256_cbor (kvblocks), sha256 (vllm, its default)",
     )
     e.add_argument("--backend", choices=["both", "rust", "python"], default="both")
-    e.add_argument("--max-num-seqs", type=int, help="default 32 (kvblocks), all requests (vllm)")
-    e.add_argument("--num-blocks", type=int, default=8192, help="KV-cache blocks (vllm engine)")
     e.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, help="token budget (vllm engine)"
+        "--max-num-seqs", type=positive_int, help="default 32 (kvblocks), all requests (vllm)"
     )
-    e.add_argument("--rounds", type=int, default=3, help="timed runs per side (vllm engine)")
-    e.add_argument("--plot", metavar="FILE.png", help="bar chart of the time breakdown")
+    e.add_argument(
+        "--num-blocks", type=positive_int, default=8192, help="KV-cache blocks (vllm engine)"
+    )
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=8192,
+        help="token budget (vllm engine)",
+    )
+    e.add_argument(
+        "--rounds",
+        type=positive_int,
+        help="timed runs per backend; the kvblocks engine alternates which backend goes first "
+        "(default 5), the vllm engine reports the median (default 3)",
+    )
+    e.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        help="untimed runs per backend before the timed rounds (kvblocks engine; default 1)",
+    )
+    e.add_argument(
+        "--threads",
+        type=positive_int,
+        help=f"torch intra-op threads (kvblocks engine; default {DEFAULT_TORCH_THREADS}: the "
+        "embedded model is too small to gain from more, and threads beyond the free cores "
+        "wait on each other; raise it for a large --model on the CPU)",
+    )
+    e.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="bar chart: bookkeeping and end-to-end time per run, on separate axes",
+    )
     e.add_argument(
         "--model",
         metavar="DIR",
@@ -400,7 +517,7 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench-hashing", help="time block hashing, Rust vs the pure-Python twin")
     b.add_argument(
         "--tokens",
-        type=_int_list,
+        type=positive_int_list,
         default=list(HASHING_PROMPT_LENGTHS),
         help="comma-separated prompt lengths (default: "
         + ",".join(map(str, HASHING_PROMPT_LENGTHS))
@@ -413,21 +530,23 @@ def parser() -> argparse.ArgumentParser:
         default=list(kvblocks.HASH_ALGORITHMS),
         help="hash algorithms (default: all)",
     )
-    b.add_argument("--block-size", type=int, default=HASHING_BLOCK_SIZE)
+    b.add_argument("--block-size", type=positive_int, default=HASHING_BLOCK_SIZE)
     b.add_argument(
         "--decode-tokens",
-        type=int,
+        type=_int_at_least(DECODE_PROMPT_LENGTH, f"int >= {DECODE_PROMPT_LENGTH}"),
         default=DECODE_LENGTH,
         help="length the decode workload grows a sequence to, one token per call "
         "(default: %(default)s)",
     )
-    b.add_argument("--repeat", type=int, default=9, help="timed runs per case (best is kept)")
+    b.add_argument(
+        "--repeat", type=positive_int, default=9, help="timed runs per case (best is kept)"
+    )
     b.set_defaults(func=bench_hashing)
 
     h = sub.add_parser("hash", help="print the block hashes of a JSON list of token ids")
     h.add_argument("file", nargs="?", default="-", help="JSON file (default: stdin)")
     h.add_argument("--algo", choices=kvblocks.HASH_ALGORITHMS, default="sha256_cbor")
-    h.add_argument("--block-size", type=int, default=16)
+    h.add_argument("--block-size", type=positive_int, default=16)
     h.add_argument("--seed", default=None, help="NONE_HASH seed (default: vLLM's rules)")
     h.add_argument("--cache-salt", default=None)
     h.add_argument("--lora", nargs=2, metavar=("NAME", "PATH"), default=None)
@@ -436,10 +555,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    top = parser()
+    args = top.parse_args(argv)
+    if args.func is bench and args.prefix_len == 0 and args.suffix_len == 0:
+        top.error("--prefix-len and --suffix-len are both 0: a prompt needs at least one token")
     try:
         code: int = args.func(args)
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"kvblocks: error: {e}", file=sys.stderr)
         return 2
     return code

@@ -175,7 +175,13 @@ def test_kvblocks_bench_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "--engine", "vllm", "--num-requests", "12", "--prefix-len", "40"]
     argv += ["--suffix-len", "9", "--output-len", "5", "--rounds", "1", "--num-blocks", "256"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # vLLM's warnings, repeated at every run, are summed up after the progress bar, and
+    # kvblocks' own INFO lines are shown there.
+    repeated = [line for line in err.splitlines() if "CPU backend prefers block_size" in line]
+    assert len(repeated) == 2, err  # once at start-up, once after the bar with its count
+    assert repeated[1].endswith(" times)"), repeated
+    assert "INFO [vllm.kvblocks] kvblocks: installed into vLLM" in err
     assert "stock" in out
     assert "with kvblocks" in out
     assert "scheduler outputs: identical in every run" in out

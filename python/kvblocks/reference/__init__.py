@@ -1,7 +1,7 @@
 """The pure-Python twin of kvblocks' native API: the same classes, methods and results,
 written plainly the way vLLM does the work. It is the reference for correctness tests and
 the baseline for every benchmark. The vLLM algorithms need ``cbor2`` and ``xxhash``
-(``pip install kvblocks[reference]``)."""
+(``pip install ".[reference]"`` in a kvblocks checkout)."""
 
 from kvblocks.reference.hashing import HASH_ALGORITHMS, BlockHasher
 from kvblocks.reference.manager import BlockManager

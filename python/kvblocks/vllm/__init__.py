@@ -1,7 +1,8 @@
 """kvblocks inside vLLM 0.33: a vLLM general plugin.
 
-Installed with ``pip install "kvblocks[vllm]"``, vLLM loads it through the entry point
-``vllm.general_plugins`` (``kvblocks = "kvblocks.vllm:register"``) in every process it starts.
+Installed with ``pip install ".[vllm]"`` in a kvblocks checkout, vLLM loads it through the
+entry point ``vllm.general_plugins`` (``kvblocks = "kvblocks.vllm:register"``) in every process
+it starts.
 It replaces vLLM's request block hasher by kvblocks' (byte-identical hashes, falling back to
 vLLM's own per request wherever kvblocks would not be exact) and, for the configurations where
 it is exact, the KV-cache manager under vLLM's scheduler by one on kvblocks' Rust block pool
@@ -140,7 +141,9 @@ def install(mode: str = "all") -> Status:
         return status()
     version = _vllm_version()
     if version is None:
-        raise ImportError("kvblocks.vllm needs vllm (pip install 'kvblocks[vllm]')")
+        from kvblocks._install import install_hint
+
+        raise ImportError(f"kvblocks.vllm needs vLLM 0.33: {install_hint('vllm')}")
     if not _supported(version):
         low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
         raise ImportError(f"kvblocks.vllm supports vllm >= {low}, < {high}; found {version}")

@@ -13,9 +13,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvblocks.vllm
-from kvblocks.vllm.bench_driver import SchedulerSpec, Timings, Workload, timed_run, tiny_model_dir
+from kvblocks.vllm.bench_driver import (
+    SchedulerSpec,
+    Timings,
+    Workload,
+    make_vllm_config,
+    timed_run,
+    tiny_model_dir,
+)
+
+__all__ = ["IMPLS", "Comparison", "SchedulerSpec", "Side", "Workload", "compare", "prepare"]
 
 IMPLS = ("vllm", "kvblocks")
+
+
+def prepare(spec: SchedulerSpec) -> None:
+    """Builds vLLM's configuration for ``spec`` once, untimed: its platform checks load
+    vLLM's compiled parts and log their start-up warnings here, before the timed runs."""
+    make_vllm_config(tiny_model_dir(), spec)
 
 
 @dataclass
