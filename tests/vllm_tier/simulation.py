@@ -113,7 +113,8 @@ def run(
 
     Returns, per step: the step's :func:`snapshot` (None where it scheduled nothing), the
     request outputs, the prefix-cache statistics, the KV events published, the reset's
-    result, the results of the step's actions, and every live request's block ids; then the
+    result, the results of the step's actions, and every live request's block ids in each
+    group; then the
     arrivals' final block hashes. Each model output is handed back ``lag`` steps late (by
     default 1 for an ``AsyncScheduler``, as under async scheduling, else 0; more is a
     pipeline-parallel batch queue), one output a step, as ``EngineCore`` does; a step
@@ -158,7 +159,7 @@ def run(
                 done, result = in_flight.pop(0)
                 outputs = _outputs(scheduler.update_from_output(done, result))
             tables = sorted(
-                (rid, tuple(manager.get_blocks(rid).get_block_ids()[0]))
+                (rid, tuple(map(tuple, manager.get_blocks(rid).get_block_ids())))
                 for rid in scheduler.requests
             )
         except Exception as error:

@@ -24,9 +24,11 @@ from __future__ import annotations
 from importlib.util import find_spec
 
 from kvblocks.vllm.bench_driver.config import (
+    LAYOUTS,
     MAX_MODEL_LEN,
     VOCAB_SIZE,
     SchedulerSpec,
+    layout_groups,
     make_kv_cache_config,
     make_scheduler,
     make_vllm_config,
@@ -48,6 +50,7 @@ if find_spec("vllm") is None:  # say it now, not at the first run
     raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
 
 __all__ = [
+    "LAYOUTS",
     "MAX_MODEL_LEN",
     "VOCAB_SIZE",
     "FakeModel",
@@ -55,6 +58,7 @@ __all__ = [
     "Timings",
     "Workload",
     "block_hasher",
+    "layout_groups",
     "make_kv_cache_config",
     "make_request",
     "make_scheduler",

@@ -90,12 +90,35 @@ def model_config(model_dir: Path) -> ModelConfig:
     )
 
 
+#: The KV-cache layouts the driver builds, by the model family they stand for: each a list
+#: of groups ``(kind, size)`` with kind ``full``, ``mla``, ``sliding_window`` (size: the
+#: window) or ``chunked_local`` (size: the attention chunk). The sizes are the families';
+#: the driver's tests also build small ones (:func:`layout_groups`).
+LAYOUTS: dict[str, list[tuple[str, int]]] = {
+    # Llama 3, Qwen 2.5/3 dense, Mistral 7B without a window: one full-attention group.
+    "llama": [("full", 0)],
+    # gpt-oss: full attention and a 128-token sliding window, one group each.
+    "gpt-oss": [("full", 0), ("sliding_window", 128)],
+    # Gemma 3: five sliding-window (1024) layers to one full-attention layer, one group each.
+    "gemma3": [("sliding_window", 1024)] * 5 + [("full", 0)],
+    # Llama 4: chunked local attention (8192) and full attention.
+    "llama4": [("chunked_local", 8192), ("full", 0)],
+    # DeepSeek V3/R1, Kimi K2: one MLA group (vLLM's FullAttentionManager manages it).
+    "mla": [("mla", 0)],
+}
+
+
 @dataclass
 class SchedulerSpec:
     """The knobs the tests turn; everything else is vLLM's default."""
 
     block_size: int = 16
     num_blocks: int = 512
+    #: A :data:`LAYOUTS` name, or explicit ``(kind, size)`` groups.
+    layout: str | list[tuple[str, int]] = "llama"
+    #: vLLM's ``prefix_cache_retention_interval`` (its default is 0: sliding-window groups
+    #: keep only the windows a replay can use).
+    retention_interval: int | None = 0
     hash_algo: str = "sha256"
     enable_caching: bool = True
     max_num_seqs: int = 64
@@ -150,19 +173,50 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     )
 
 
+def layout_groups(layout: str | list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The groups of a layout: a :data:`LAYOUTS` name, or the groups themselves."""
+    if isinstance(layout, str):
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+        return LAYOUTS[layout]
+    return list(layout)
+
+
 def make_kv_cache_config(spec: SchedulerSpec) -> KVCacheConfig:
-    """One full-attention group of ``spec.num_blocks`` blocks."""
+    """``spec.layout``'s KV-cache groups over one pool of ``spec.num_blocks`` blocks, each
+    group's spec as vLLM builds it for that kind (tiny head sizes: nothing is allocated)."""
     select_cpu_platform()
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    attention = FullAttentionSpec(
-        block_size=spec.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
     )
+
+    common = {"block_size": spec.block_size, "num_kv_heads": 1, "head_size": 1}
+    groups = []
+    for i, (kind, size) in enumerate(layout_groups(spec.layout)):
+        if kind == "full":
+            group_spec: Any = FullAttentionSpec(**common, dtype=torch.float32)
+        elif kind == "mla":
+            group_spec = MLAAttentionSpec(**common, dtype=torch.float32)
+        elif kind == "sliding_window":
+            group_spec = SlidingWindowSpec(**common, dtype=torch.float32, sliding_window=size)
+        elif kind == "chunked_local":
+            group_spec = ChunkedLocalAttentionSpec(
+                **common, dtype=torch.float32, attention_chunk_size=size
+            )
+        else:
+            raise ValueError(f"unknown KV-cache group kind {kind!r}")
+        groups.append(KVCacheGroupSpec([f"layer.{i}"], group_spec))
     return KVCacheConfig(
         num_blocks=spec.num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], attention)],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=spec.retention_interval,
     )
 
 
