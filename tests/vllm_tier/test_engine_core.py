@@ -7,7 +7,9 @@ KV cache from the executor's one full-attention layer, builds the scheduler (and
 the KV-cache manager) and the request block hasher. Requests go in as the engine client sends
 them (``InputProcessor.process_inputs`` -> ``EngineCore.preprocess_add_request`` ->
 ``add_request``) and ``step()`` runs until all finish. Every scheduler output, engine output
-and statistic must be the same with kvblocks as with vLLM alone.
+and statistic must be the same with kvblocks as with vLLM alone. The model has one
+full-attention layer, or (layout ``gpt-oss``) a full-attention and a sliding-window layer,
+which vLLM's planner puts in two KV-cache groups.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.inputs.engine import tokens_input
@@ -29,7 +32,12 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.executor import Executor
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from kvblocks.vllm.bench_driver import VOCAB_SIZE, model_output, sampled_token, write_model_dir
@@ -37,7 +45,12 @@ from kvblocks.vllm.bench_driver import VOCAB_SIZE, model_output, sampled_token, 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # small enough that the workload below preempts
 MAX_MODEL_LEN = (NUM_BLOCKS - 1) * BLOCK_SIZE  # what 64 blocks (one is the null block) serve
-LAYER = "model.layers.0.self_attn.attn"
+#: The pool per layout: the window group needs blocks of its own (vLLM's planner requires
+#: room for one request of MAX_MODEL_LEN in every group), and the pool stays small enough
+#: to preempt.
+POOL = {"llama": NUM_BLOCKS, "gpt-oss": NUM_BLOCKS + 22}
+LAYER = "model.layers.{}.self_attn.attn"
+WINDOW = 64  # the sliding window of the gpt-oss-like layout's second layer
 PREFIX_CACHE_FIELDS = (
     "reset",
     "requests",
@@ -56,7 +69,7 @@ def _done(value: Any) -> Future[Any]:
 
 
 class FakeExecutor(Executor):
-    """An executor without workers: one full-attention layer, no-op KV-cache set-up, and a
+    """An executor without workers: the layout's layers, no-op KV-cache set-up, and a
     model that samples one token for every request whose prefill is done this step (known
     from the scheduler output alone, as a model runner knows it). It keeps every scheduler
     output it is given, as plain values."""
@@ -88,10 +101,15 @@ class FakeExecutor(Executor):
         return ("generate",)
 
     def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
-        spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
-        )
-        return [{LAYER: spec}]
+        common = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 16}
+        specs: dict[str, KVCacheSpec] = {
+            LAYER.format(0): FullAttentionSpec(**common, dtype=torch.float32)
+        }
+        if os.environ.get("KVBLOCKS_TEST_LAYOUT") == "gpt-oss":
+            specs[LAYER.format(1)] = SlidingWindowSpec(
+                **common, dtype=torch.float32, sliding_window=WINDOW
+            )
+        return [specs]
 
     def get_supported_kv_cache_layouts(self) -> list[list[str]]:
         return [["LBNHC"]]
@@ -212,7 +230,7 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         cache_config=CacheConfig(
             block_size=BLOCK_SIZE,
             enable_prefix_caching=True,
-            num_gpu_blocks_override=NUM_BLOCKS,
+            num_gpu_blocks_override=POOL[os.environ.get("KVBLOCKS_TEST_LAYOUT", "llama")],
         ),
     )
     engine = EngineCore(vllm_config, executor_class=FakeExecutor, log_stats=True)
@@ -304,12 +322,13 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     return result
 
 
-def run_engine(mode: str, tmp_path: Path) -> subprocess.Popen[str]:
+def run_engine(mode: str, tmp_path: Path, layout: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "KVBLOCKS_VLLM")}
     env.update(
         KVBLOCKS_VLLM=mode,
         VLLM_TARGET_DEVICE="cpu",
         PYTHONHASHSEED="0",  # one NONE_HASH for both runs: their block hashes compare
+        KVBLOCKS_TEST_LAYOUT=layout,
     )
     model_dir = tmp_path / mode
     model_dir.mkdir()
@@ -338,8 +357,9 @@ def first_difference(a: Any, b: Any) -> str:
     return f": {a!r} != {b!r}"
 
 
-def test_engine_core_identical_with_plugin(tmp_path: Path) -> None:
-    processes = {mode: run_engine(mode, tmp_path) for mode in ("off", "all")}
+@pytest.mark.parametrize("layout", ["llama", "gpt-oss"])
+def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str) -> None:
+    processes = {mode: run_engine(mode, tmp_path, layout) for mode in ("off", "all")}
     results = {}
     for mode, process in processes.items():
         log, _ = process.communicate(timeout=300)
@@ -357,12 +377,15 @@ def test_engine_core_identical_with_plugin(tmp_path: Path) -> None:
     assert on["manager"] == "kvblocks.vllm.kv_cache_manager"
     assert on["hasher"] == "kvblocks.vllm.block_hasher"
     assert "mode=all" in on["status"]
-    assert "kv_cache_manager on 16-token blocks, prefix caching on" in on["status"]
+    groups = "2 groups (full_attention, sliding_window), " if layout == "gpt-oss" else ""
+    assert f"kv_cache_manager on {groups}16-token blocks, prefix caching on" in on["status"]
     assert "hasher on sha256" in on["status"]
     assert "fallback" not in on["status"]
 
     stock, ours = off["run"], on["run"]
-    assert stock["num_blocks"] == [NUM_BLOCKS]
+    assert stock["num_blocks"] == [POOL[layout]]
+    groups_per_step = {len(new[1]) for step in stock["scheduler_outputs"] for new in step["new"]}
+    assert groups_per_step == {2 if layout == "gpt-oss" else 1}
     assert len(stock["tokens"]) == 20
     assert set(stock["finish_reasons"].values()) == {"length"}
     assert stock["prefix_cache_totals"]["hits"] > 0
