@@ -11,6 +11,7 @@ methods."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,8 +112,8 @@ class BlockManager:
                 f"num_blocks * block_size = {num_blocks} * {block_size} exceeds the int32 "
                 "slot range"
             )
-        if not 0.0 <= watermark <= 1.0:
-            raise ValueError(f"watermark must be in [0, 1], got {watermark}")
+        if not (math.isfinite(watermark) and watermark >= 0.0):
+            raise ValueError(f"watermark must be a finite number >= 0, got {watermark}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len if max_model_len is not None else 2**64
@@ -343,13 +344,21 @@ class BlockManager:
         first_written = local // b
         last_written = min(-(-(local + new) // b), held)
         cow = [i for i in range(first_written, last_written) if request.blocks[i].ref_cnt > 1]
-        in_use = len(pool.blocks) - 1 - pool.get_num_free_blocks()
-        watermark = self.watermark_blocks if not request.running and in_use > 0 else 0
+        # vLLM's watermark rule (docs/semantics.md §3.3): a waiting request is admitted only
+        # with the watermark free when any request is scheduled; the embedded scheduler's
+        # scheduled requests are exactly those holding blocks.
+        has_scheduled_reqs = len(pool.blocks) - 1 > pool.get_num_free_blocks()
+        watermark = self.watermark_blocks if has_scheduled_reqs and not request.running else 0
         needed = max(target - (len(hits) + held), 0) + evictable_hits + len(cow)
         if needed + watermark > pool.get_num_free_blocks():
             return None
 
+        # The engine's order: adopt the hits, copy the shared blocks written, then new blocks.
         first_admission = not request.running
+        if hits:
+            pool.touch(hits)
+            request.blocks.extend(hits)
+            request.num_cached_blocks = len(request.blocks)
         for index in cow:
             (dst,) = pool.get_new_blocks(1)
             src = request.blocks[index]
@@ -357,10 +366,6 @@ class BlockManager:
                 self._copies.append((src.block_id, dst.block_id))
             src.ref_cnt -= 1
             request.blocks[index] = dst
-        if hits:
-            pool.touch(hits)
-            request.blocks.extend(hits)
-            request.num_cached_blocks = len(request.blocks)
         new_blocks = pool.get_new_blocks(max(target - len(request.blocks), 0))
         request.blocks.extend(new_blocks)
         request.num_computed_tokens = local + new

@@ -184,6 +184,17 @@ impl BlockPool {
         self.emit(event);
     }
 
+    /// Replaces the `Registered` events at the end of the queue (those of the last call)
+    /// by what `rewrite` makes of each: a caller that owns the request's tokens reports them
+    /// in full.
+    pub fn rewrite_registered(&mut self, mut rewrite: impl FnMut(&Registered) -> KvEvent) {
+        let Some(events) = &mut self.events else { return };
+        for event in events.iter_mut().rev() {
+            let KvEvent::Registered(registered) = event else { break };
+            *event = rewrite(registered);
+        }
+    }
+
     /// Starts recording evicted blocks (see [`BlockPool::stop_recording_evictions`]).
     pub fn record_evictions(&mut self) {
         self.evicted = Some(Vec::new());

@@ -356,6 +356,7 @@ impl PyKvCacheCore {
             extra_blocks: 0,
         };
         let hashes = hashes_arg(&block_hashes)?;
+        let hits: Vec<&[u32]> = hits.blocks.iter().map(Vec::as_slice).collect();
         let mut manager = lock_attached(py, &self.inner)?;
         let new = manager.allocate_slots(request_id, &state, &args, &hits, &hashes)?;
         drop(manager);

@@ -72,7 +72,7 @@ impl KvCacheManager {
         request_id: &str,
         request: &RequestState,
         args: &AllocateArgs,
-        hits: &CacheHit,
+        hits: &[&[u32]],
         hashes: &(impl HashSource + ?Sized),
     ) -> CoreResult<Option<Vec<Vec<u32>>>> {
         let num_groups = self.engine.num_groups();

@@ -85,6 +85,12 @@ fn invalid(msg: impl Into<String>) -> CoreError {
     CoreError::InvalidArgument(msg.into())
 }
 
+/// vLLM passes the shared empty result when there is nothing to adopt, and adopts a result
+/// with any block (null ones included).
+fn no_hits(hits: &[&[u32]]) -> bool {
+    hits.iter().all(|h| h.is_empty())
+}
+
 #[derive(Debug, Clone)]
 pub struct KvCacheEngine {
     config: EngineConfig,
@@ -95,6 +101,9 @@ pub struct KvCacheEngine {
     any_drop: bool,
     /// Per group: the group's hits are EAGLE-aware (vLLM's per-manager `use_eagle`).
     eagle_aware: Vec<bool>,
+    /// What the last `allocate_slots` or `cache_blocks` registered (for a layer above that
+    /// keeps its own record of registered blocks).
+    registered: Vec<Registered>,
 }
 
 impl KvCacheEngine {
@@ -113,7 +122,7 @@ impl KvCacheEngine {
             }
         }
         let any_drop = drop.iter().any(|&d| d);
-        Ok(Self { config, pool, sets, any_drop, eagle_aware })
+        Ok(Self { config, pool, sets, any_drop, eagle_aware, registered: Vec::new() })
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -157,14 +166,14 @@ impl KvCacheEngine {
 
     /// The hits must have the shape a lookup gives: one list per group, cached blocks or
     /// null ones, adopted only at a request's first allocation.
-    fn check_hits(&self, held: &RequestBlocks, hits: &CacheHit) -> CoreResult<()> {
-        if hits.is_empty() {
+    fn check_hits(&self, held: &RequestBlocks, hits: &[&[u32]]) -> CoreResult<()> {
+        if no_hits(hits) {
             return Ok(());
         }
-        if hits.blocks.len() != self.num_groups() {
+        if hits.len() != self.num_groups() {
             return Err(invalid(format!(
                 "new_computed_blocks has {} groups, the KV cache {}",
-                hits.blocks.len(),
+                hits.len(),
                 self.num_groups()
             )));
         }
@@ -175,7 +184,7 @@ impl KvCacheEngine {
             return Err(invalid("prefix hits can only be adopted at a request's first allocation"));
         }
         let num_blocks = self.pool.num_blocks();
-        for (group, blocks) in hits.blocks.iter().enumerate() {
+        for (group, blocks) in hits.iter().enumerate() {
             for (index, &block) in blocks.iter().enumerate() {
                 if block == NULL_BLOCK {
                     continue;
@@ -197,18 +206,17 @@ impl KvCacheEngine {
         &self,
         held: &RequestBlocks,
         num_tokens: usize,
-        hits: &CacheHit,
+        hits: &[&[u32]],
         total_computed: usize,
         cap: bool,
     ) -> usize {
-        let no_hits: &[u32] = &[];
         self.config
             .groups
             .iter()
             .zip(&held.groups)
             .enumerate()
             .map(|(g, (spec, blocks))| {
-                let hits = hits.blocks.get(g).map_or(no_hits, Vec::as_slice);
+                let hits = hits.get(g).copied().unwrap_or_default();
                 group::num_blocks_to_allocate(
                     spec,
                     &self.pool,
@@ -233,7 +241,8 @@ impl KvCacheEngine {
     /// vLLM's `allocate_slots`. Returns the blocks newly allocated per group, or `None` when
     /// the pool cannot provide them. A `None` return may still have freed blocks that fell
     /// out of a sliding window or chunk (vLLM frees those first, whatever the outcome); an
-    /// error changes nothing. `before_new_blocks` runs once the allocation is certain, after
+    /// error changes nothing. `hits` are the prefix hits per group (none: no group has any).
+    /// `before_new_blocks` runs once the allocation is certain, after
     /// the hits are adopted and before new blocks are taken (the embedded manager's
     /// copy-on-write, which takes `args.extra_blocks` blocks).
     pub fn allocate_slots(
@@ -241,7 +250,7 @@ impl KvCacheEngine {
         held: &mut RequestBlocks,
         request: &RequestState,
         args: &AllocateArgs,
-        hits: &CacheHit,
+        hits: &[&[u32]],
         hashes: &(impl HashSource + ?Sized),
         before_new_blocks: impl FnOnce(&mut BlockPool, &mut RequestBlocks),
     ) -> CoreResult<Option<Vec<Vec<u32>>>> {
@@ -250,6 +259,7 @@ impl KvCacheEngine {
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
             ));
         }
+        self.registered.clear();
         if held.groups.len() != self.num_groups() {
             return Err(CoreError::Internal("a request's tables do not match the groups"));
         }
@@ -280,17 +290,20 @@ impl KvCacheEngine {
         // on the processed-token basis: in-flight steps still read below the boundary).
         let processed = total.saturating_sub(request.num_in_flight_tokens);
         self.remove_skipped_blocks(held, processed);
-        let needed = self.blocks_needed(held, slots, hits, total, false) + args.extra_blocks;
-        let available = self.pool.num_free_blocks().saturating_sub(args.reserved_blocks);
-        if needed.saturating_add(watermark) > available {
+        // vLLM counts this chunk's blocks from the computed tokens before the max_model_len cap
+        // (the full-sequence gate above uses the capped count).
+        let needed = self.blocks_needed(held, slots, hits, local, false) + args.extra_blocks;
+        // vLLM's `needed + watermark > free - reserved`, where the right side may be negative.
+        let wanted = needed.saturating_add(watermark).saturating_add(args.reserved_blocks);
+        if wanted > self.pool.num_free_blocks() {
             return Ok(None);
         }
 
-        if !hits.is_empty() && !held.is_tracked() {
+        if !no_hits(hits) && !held.is_tracked() {
             // check_hits: a first allocation with caching on. Touch every group's hits
             // before any group takes new blocks, so none can evict another's hit.
             for (g, (spec, blocks)) in self.config.groups.iter().zip(&mut held.groups).enumerate() {
-                let group_hits = hits.blocks.get(g).map_or(&[][..], Vec::as_slice);
+                let group_hits = hits.get(g).copied().unwrap_or_default();
                 group::add_computed_blocks(spec, &mut self.pool, blocks, group_hits, local, true);
             }
         }
@@ -335,6 +348,7 @@ impl KvCacheEngine {
         num_computed: usize,
         hashes: &(impl HashSource + ?Sized),
     ) -> CoreResult<()> {
+        self.registered.clear();
         let keys = self.read_keys(hashes, num_computed)?;
         self.cache_with_keys(held, request, num_computed, &keys);
         Ok(())
@@ -394,10 +408,11 @@ impl KvCacheEngine {
                 self.pool.cache_block(block, CacheKey::new(hash, g as u32), (index + 1) * b);
             }
             blocks.num_cached = Some(full);
+            let registered = Registered { group: g as u32, first: done, end: full, skipped };
             if self.pool.events_enabled() {
-                let registered = Registered { group: g as u32, first: done, end: full, skipped };
-                self.pool.push_event(KvEvent::Registered(registered));
+                self.pool.push_event(KvEvent::Registered(registered.clone()));
             }
+            self.registered.push(registered);
         }
     }
 
@@ -449,5 +464,10 @@ impl KvCacheEngine {
 
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.pool.take_events()
+    }
+
+    /// What the last `allocate_slots` or `cache_blocks` call registered, per group.
+    pub fn last_registered(&self) -> &[Registered] {
+        &self.registered
     }
 }

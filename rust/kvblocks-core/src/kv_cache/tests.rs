@@ -64,7 +64,8 @@ fn admit(m: &mut KvCacheManager, id: &str, hashes: &[BlockHash], num_tokens: usi
         full_sequence_must_fit: true,
         ..AllocateArgs::default()
     };
-    m.allocate_slots(id, &state(num_tokens), &args, &hit, hashes).unwrap().unwrap();
+    let hits: Vec<&[u32]> = hit.blocks.iter().map(Vec::as_slice).collect();
+    m.allocate_slots(id, &state(num_tokens), &args, &hits, hashes).unwrap().unwrap();
     hit
 }
 
@@ -109,19 +110,17 @@ fn refusals_change_nothing() {
     admit(&mut m, "a", &[h(1), h(2)], 9); // 3 blocks, 1 free
     let before = (free_queue(&m), table(&m, "a", 0));
     let args = AllocateArgs { num_new_tokens: 9, ..AllocateArgs::default() };
-    let none = CacheHit::empty(1);
-    assert_eq!(m.allocate_slots("b", &state(9), &args, &none, &[][..]).unwrap(), None);
+    let none: &[&[u32]] = &[&[]];
+    assert_eq!(m.allocate_slots("b", &state(9), &args, none, &[][..]).unwrap(), None);
     let zero = AllocateArgs::default();
-    assert!(m.allocate_slots("b", &state(9), &zero, &none, &[][..]).is_err());
-    for bad in [vec![99], vec![3]] {
+    assert!(m.allocate_slots("b", &state(9), &zero, none, &[][..]).is_err());
+    for bad in [[99], [3]] {
         // a block out of range; a block not cached
-        let hit = CacheHit { blocks: vec![bad], ..CacheHit::default() };
-        assert!(m.allocate_slots("b", &state(9), &args, &hit, &[][..]).is_err());
+        assert!(m.allocate_slots("b", &state(9), &args, &[&bad], &[][..]).is_err());
     }
-    let again = CacheHit { blocks: vec![vec![1]], ..CacheHit::default() };
-    assert!(m.allocate_slots("a", &state(9), &args, &again, &[][..]).is_err(), "not first");
-    let two = CacheHit { blocks: vec![vec![1], vec![]], ..CacheHit::default() };
-    assert!(m.allocate_slots("b", &state(9), &args, &two, &[][..]).is_err(), "two groups");
+    assert!(m.allocate_slots("a", &state(9), &args, &[&[1]], &[][..]).is_err(), "not first");
+    let two: &[&[u32]] = &[&[1], &[]];
+    assert!(m.allocate_slots("b", &state(9), &args, two, &[][..]).is_err(), "two groups");
     assert_eq!((free_queue(&m), table(&m, "a", 0)), before);
     assert!(m.block_ids("b").is_none());
     m.free("never-seen");
@@ -134,15 +133,15 @@ fn watermark_applies_to_waiting_requests_while_others_are_scheduled() {
         ..EngineConfig::single_group(6, 4, 1 << 20)
     })
     .unwrap();
-    let none = CacheHit::empty(1);
+    let none: &[&[u32]] = &[&[]];
     let mut args =
         AllocateArgs { num_new_tokens: 12, has_scheduled_reqs: true, ..Default::default() };
-    assert_eq!(m.allocate_slots("a", &state(12), &args, &none, &[][..]).unwrap(), None); // 3+3 > 5
+    assert_eq!(m.allocate_slots("a", &state(12), &args, none, &[][..]).unwrap(), None); // 3+3 > 5
     let running = RequestState { is_waiting: false, ..state(12) };
     args.reserved_blocks = 3;
-    assert_eq!(m.allocate_slots("a", &running, &args, &none, &[][..]).unwrap(), None);
+    assert_eq!(m.allocate_slots("a", &running, &args, none, &[][..]).unwrap(), None);
     args.reserved_blocks = 2;
-    let new = m.allocate_slots("a", &running, &args, &none, &[][..]).unwrap();
+    let new = m.allocate_slots("a", &running, &args, none, &[][..]).unwrap();
     assert_eq!(new, Some(vec![vec![1, 2, 3]]));
     // Nothing scheduled yet: no watermark for a waiting request either.
     let mut m = KvCacheManager::new(EngineConfig {
@@ -151,7 +150,7 @@ fn watermark_applies_to_waiting_requests_while_others_are_scheduled() {
     })
     .unwrap();
     args = AllocateArgs { num_new_tokens: 12, has_scheduled_reqs: false, ..Default::default() };
-    assert!(m.allocate_slots("a", &state(12), &args, &none, &[][..]).unwrap().is_some());
+    assert!(m.allocate_slots("a", &state(12), &args, none, &[][..]).unwrap().is_some());
 }
 
 #[test]
@@ -159,8 +158,8 @@ fn caching_follows_the_hashes_the_caller_has() {
     let mut m = engine(8, vec![full(2)]);
     let args = AllocateArgs { num_new_tokens: 6, ..AllocateArgs::default() };
     // Only one hash exists yet: only one block is registered.
-    let none = CacheHit::empty(1);
-    m.allocate_slots("a", &state(6), &args, &none, &[h(1)][..]).unwrap().unwrap();
+    let none: &[&[u32]] = &[&[]];
+    m.allocate_slots("a", &state(6), &args, none, &[h(1)][..]).unwrap().unwrap();
     assert_eq!(m.lookup(&[h(1), h(2)][..], 9).unwrap().blocks, [vec![1]]);
     m.cache_blocks("a", &state(6), 6, &[h(1), h(2), h(3)][..]).unwrap();
     assert_eq!(m.lookup(&hashes(1..4)[..], 9).unwrap().blocks, [vec![1, 2, 3]]);
@@ -198,7 +197,7 @@ fn sliding_window_frees_blocks_that_leave_the_window() {
     assert_eq!(table(&m, "a", 0), [1, 2, 3, 4]);
     let running = RequestState { num_computed_tokens: 13, is_waiting: false, ..state(14) };
     let one = AllocateArgs { num_new_tokens: 1, ..AllocateArgs::default() };
-    m.allocate_slots("a", &running, &one, &CacheHit::empty(1), &all[..]).unwrap().unwrap();
+    m.allocate_slots("a", &running, &one, &[&[]], &all[..]).unwrap().unwrap();
     assert_eq!(table(&m, "a", 0), [0, 2, 3, 4]);
     assert_eq!(free_queue(&m)[..2], [5, 6], "the freed block is cached: it goes to the tail");
     assert_eq!(*free_queue(&m).last().unwrap(), 1);
@@ -303,7 +302,19 @@ fn a_failed_allocation_still_frees_blocks_out_of_the_window() {
     let running = RequestState { num_computed_tokens: 12, is_waiting: false, ..state(30) };
     let big = AllocateArgs { num_new_tokens: 18, ..AllocateArgs::default() };
     let before = m.num_free_blocks();
-    assert_eq!(m.allocate_slots("a", &running, &big, &CacheHit::empty(1), &all[..]).unwrap(), None);
+    assert_eq!(m.allocate_slots("a", &running, &big, &[&[]], &all[..]).unwrap(), None);
     assert_eq!(table(&m, "a", 0), [0, 0, 3]);
     assert_eq!(m.num_free_blocks(), before + 2);
+}
+
+#[test]
+fn more_reserved_blocks_than_free_refuse_even_an_allocation_that_needs_none() {
+    let mut m = engine(4, vec![full(4)]);
+    admit(&mut m, "a", &[], 3); // one block, slots for 4 tokens
+    let running = RequestState { num_computed_tokens: 3, is_waiting: false, ..state(4) };
+    let one = AllocateArgs { num_new_tokens: 1, reserved_blocks: 10, ..AllocateArgs::default() };
+    let none: &[&[u32]] = &[&[]];
+    assert_eq!(m.allocate_slots("a", &running, &one, none, &[][..]).unwrap(), None);
+    let one = AllocateArgs { reserved_blocks: 2, ..one };
+    assert_eq!(m.allocate_slots("a", &running, &one, none, &[][..]).unwrap(), Some(vec![vec![]]));
 }

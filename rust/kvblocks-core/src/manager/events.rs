@@ -1,45 +1,32 @@
-//! Registering full blocks in the cache (vLLM's `cache_blocks`) and the `BlockStored` event
-//! that reports them.
+//! What the embedded manager adds when the engine registers a request's blocks: the full
+//! `BlockStored` event (the manager owns the tokens and keys) and, with `verify_tokens`, the
+//! provenance that later proves a hit holds the same tokens.
 
-use super::verify::{key_of, Provenance};
+use super::verify::Provenance;
 use super::Request;
-use crate::pool::{BlockPool, BlockStored, EventKey, KvEvent};
+use crate::kv_cache::KvCacheEngine;
+use crate::pool::{BlockStored, EventKey, KvEvent};
 use crate::{ExtraKey, TokenSequence};
 
-/// What registering a request's blocks touches, borrowed apart from the request table.
-pub(super) struct CacheContext<'a> {
-    pub pool: &'a mut BlockPool,
-    pub provenance: &'a mut Option<Provenance>,
-    pub debug_key_bytes: Option<usize>,
-}
-
-impl CacheContext<'_> {
-    /// Registers the request's full blocks up to `num_tokens` (vLLM's `cache_blocks`), with
-    /// one `BlockStored` event for the newly registered range.
-    pub fn cache_blocks(self, request: &mut Request, num_tokens: usize, b: usize) {
-        let hashes = request.seq.block_hashes();
-        let full = num_tokens.min(hashes.len() * b) / b;
-        let done = request.num_cached_blocks;
-        if done >= full {
-            return;
-        }
-        debug_assert!(request.blocks.len() >= full, "a full block below num_tokens has no block");
-        for index in done..full {
-            let (Some(&block), Some(hash)) = (request.blocks.get(index), hashes.get(index)) else {
-                continue;
-            };
-            if self.pool.key(block).is_none() {
-                if let Some(p) = self.provenance.as_mut() {
-                    p.record(request, index, block, b);
+/// Reports the blocks the engine's last call registered for `request`.
+pub(super) fn report_registered(
+    engine: &mut KvCacheEngine,
+    request: &Request,
+    provenance: Option<&mut Provenance>,
+    b: usize,
+) {
+    if let Some(provenance) = provenance {
+        for registered in engine.last_registered() {
+            for index in registered.first..registered.end {
+                if let Some(&block) = request.blocks().get(index) {
+                    provenance.record(request, index, block, b);
                 }
             }
-            self.pool.cache_block(block, key_of(hash, self.debug_key_bytes), (index + 1) * b);
         }
-        if self.pool.events_enabled() {
-            self.pool.push_event(KvEvent::BlockStored(stored_event(&request.seq, done, full, b)));
-        }
-        request.num_cached_blocks = full;
     }
+    engine.pool_mut().rewrite_registered(|registered| {
+        KvEvent::BlockStored(stored_event(&request.seq, registered.first, registered.end, b))
+    });
 }
 
 /// The event for blocks `done..full` of `seq`, just registered.

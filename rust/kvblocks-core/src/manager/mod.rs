@@ -1,21 +1,23 @@
-//! The KV-cache block manager: per-request token buffers and block tables over one
-//! [`BlockPool`], with vLLM 0.33's `KVCacheManager` rules for a single full-attention group,
-//! plus copy-on-write forks and token-verified prefix hits.
+//! The KV-cache block manager: per-request token buffers and block tables for one
+//! full-attention group, allocated by the core's one allocation engine ([`KvCacheEngine`],
+//! vLLM 0.33's rules), with two layers of its own on top: copy-on-write forks (parallel
+//! sampling) and token-verified prefix hits.
 //!
 //! The manager is the one owner of each request's state (tokens, computed tokens, block table,
-//! handle). This file holds the per-request operations and the allocation rule they share with
-//! the batched step ([`step`]); prefix lookup and hit checks are in `verify`, block
-//! registration and its events in `events`.
+//! handle). This file holds the per-request operations and the allocation call they share with
+//! the batched step ([`step`]); prefix lookup and hit checks are in `verify`, the events and
+//! provenance of registered blocks in `events`.
 
 mod events;
 mod step;
 mod verify;
 
+use crate::kv_cache::{AllocateArgs, EngineConfig, KvCacheEngine, RequestBlocks};
+use crate::kv_cache::{GroupSpec, RequestState};
 use crate::pool::{BlockPool, KvEvent};
 use crate::requests::{RequestRef, Slab};
 use crate::{BlockHasher, CoreError, CoreResult, PrefixCacheStats};
 use crate::{RequestKeys, TokenSequence};
-use events::CacheContext;
 use std::sync::Arc;
 pub use step::{PlannedStep, StepBuffers, StepInput, StepOutput, StepResult, StepSizes};
 use verify::Provenance;
@@ -27,7 +29,8 @@ pub struct ManagerConfig {
     pub num_blocks: usize,
     pub enable_caching: bool,
     pub max_model_len: Option<usize>,
-    /// Fraction of the blocks kept free when admitting a request while others run.
+    /// vLLM's `watermark`: the fraction of the blocks kept free when admitting a request
+    /// while others run (`int(watermark * num_blocks)` blocks; any finite value >= 0).
     pub watermark: f64,
     pub log_stats: bool,
     pub enable_events: bool,
@@ -56,9 +59,8 @@ impl Default for ManagerConfig {
 #[derive(Debug, Clone)]
 struct Request {
     seq: TokenSequence,
-    blocks: Vec<u32>,
-    /// Leading blocks already registered in the cache (vLLM's `num_cached_block`).
-    num_cached_blocks: usize,
+    /// The block table, as the engine keeps it (one group).
+    table: RequestBlocks,
     num_computed_tokens: usize,
     /// Holds an allocation (scheduled since its last `free`).
     running: bool,
@@ -66,9 +68,36 @@ struct Request {
 }
 
 impl Request {
+    fn new(seq: TokenSequence) -> Self {
+        Self {
+            seq,
+            table: RequestBlocks::new(1),
+            num_computed_tokens: 0,
+            running: false,
+            num_preemptions: 0,
+        }
+    }
+
+    /// The block table.
+    fn blocks(&self) -> &[u32] {
+        self.table.groups.first().map_or(&[], |g| g.blocks.as_slice())
+    }
+
     /// Holds an allocation or blocks (prefix hits are only taken at a first allocation).
     fn holds_blocks(&self) -> bool {
-        self.running || !self.blocks.is_empty()
+        self.running || !self.blocks().is_empty()
+    }
+
+    /// What the engine reads of the request.
+    fn state(&self) -> RequestState {
+        RequestState {
+            num_tokens: self.seq.num_tokens(),
+            num_computed_tokens: self.num_computed_tokens,
+            num_prompt_tokens: self.seq.num_prompt_tokens(),
+            num_in_flight_tokens: 0,
+            shared_prefix_boundary: 0,
+            is_waiting: !self.running,
+        }
     }
 }
 
@@ -78,8 +107,7 @@ pub struct BlockManager {
     hasher: Arc<BlockHasher>,
     block_size: usize,
     max_model_len: usize,
-    watermark_blocks: usize,
-    pool: BlockPool,
+    engine: KvCacheEngine,
     requests: Slab<Request>,
     stats: Option<PrefixCacheStats>,
     copies: Vec<[u32; 2]>,
@@ -108,8 +136,11 @@ impl BlockManager {
                 config.num_blocks
             )));
         }
-        if !(0.0..=1.0).contains(&config.watermark) {
-            return Err(invalid(format!("watermark must be in [0, 1], got {}", config.watermark)));
+        if !(config.watermark.is_finite() && config.watermark >= 0.0) {
+            return Err(invalid(format!(
+                "watermark must be a finite number >= 0, got {}",
+                config.watermark
+            )));
         }
         if config.max_model_len == Some(0) {
             return Err(CoreError::InvalidSize { what: "max_model_len (must be >= 1)", value: 0 });
@@ -118,10 +149,23 @@ impl BlockManager {
             true => Some(Provenance::new(config.num_blocks, block_size)?),
             false => None,
         };
-        Ok(Self {
-            pool: BlockPool::new(num_blocks, config.enable_caching, config.enable_events)?,
+        let max_model_len = config.max_model_len.unwrap_or(usize::MAX);
+        let engine = KvCacheEngine::new(EngineConfig {
+            num_blocks,
+            groups: vec![GroupSpec::full(block_size)],
+            lookup_sets: vec![vec![0]],
+            max_model_len,
+            enable_caching: config.enable_caching,
+            enable_events: config.enable_events,
+            // vLLM's int(watermark * num_blocks), saturating for huge fractions.
             watermark_blocks: (config.watermark * config.num_blocks as f64) as usize,
-            max_model_len: config.max_model_len.unwrap_or(usize::MAX),
+            use_eagle: false,
+            num_prefill_lookahead: 0,
+            retention_interval: None,
+        })?;
+        Ok(Self {
+            engine,
+            max_model_len,
             stats: config.log_stats.then(PrefixCacheStats::default),
             block_size,
             hasher,
@@ -142,7 +186,7 @@ impl BlockManager {
     }
 
     pub fn pool(&self) -> &BlockPool {
-        &self.pool
+        self.engine.pool()
     }
 
     fn slot<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<usize> {
@@ -175,15 +219,7 @@ impl BlockManager {
         }
         self.check_model_len(prompt.len())?;
         let seq = TokenSequence::new(self.hasher.clone(), prompt, keys)?;
-        let request = Request {
-            seq,
-            blocks: Vec::new(),
-            num_cached_blocks: 0,
-            num_computed_tokens: 0,
-            running: false,
-            num_preemptions: 0,
-        };
-        Ok(self.requests.insert(id, request)?.1)
+        Ok(self.requests.insert(id, Request::new(seq))?.1)
     }
 
     /// Appends accepted output tokens; their full blocks are hashed at once.
@@ -214,7 +250,7 @@ impl BlockManager {
     }
 
     pub fn block_ids<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<&[u32]> {
-        Ok(&self.request(request)?.blocks)
+        Ok(self.request(request)?.blocks())
     }
 
     pub fn num_computed_tokens<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<usize> {
@@ -232,7 +268,7 @@ impl BlockManager {
 
     /// `(id, handle, block table)` of every request.
     pub fn block_tables(&self) -> impl Iterator<Item = (&str, i64, &[u32])> {
-        self.requests.iter().map(|(id, h, r)| (id, h, r.blocks.as_slice()))
+        self.requests.iter().map(|(id, h, r)| (id, h, r.blocks()))
     }
 
     /// vLLM's `get_computed_blocks`: the longest cached prefix, capped so that at least the
@@ -292,7 +328,7 @@ impl BlockManager {
         self.check_allocation(request, num_tokens, num_new_tokens, num_new_computed_tokens, false)?;
         // Caller-supplied hits are checked here; the batched step looks its hits up itself.
         self.check_hits(request, new_computed_blocks, num_new_computed_tokens)?;
-        let before = request.blocks.len() + new_computed_blocks.len();
+        let before = request.blocks().len() + new_computed_blocks.len();
         let allocated = self.allocate_in(
             slot,
             num_new_tokens,
@@ -303,11 +339,13 @@ impl BlockManager {
         if !allocated {
             return Ok(None);
         }
-        Ok(Some(self.request_at(slot)?.blocks.get(before..).unwrap_or_default().to_vec()))
+        Ok(Some(self.request_at(slot)?.blocks().get(before..).unwrap_or_default().to_vec()))
     }
 
     /// `allocate_slots` once [`Self::check_allocation`] and the hit checks passed: true when
-    /// it allocated, false (nothing changed) when the pool cannot provide the blocks.
+    /// it allocated, false (nothing changed) when the pool cannot provide the blocks. The
+    /// engine makes vLLM's decisions; this layer adds copy-on-write of shared blocks the step
+    /// writes into, the request's computed tokens, statistics, and verified provenance.
     fn allocate_in(
         &mut self,
         slot: usize,
@@ -317,71 +355,65 @@ impl BlockManager {
         num_lookahead_tokens: usize,
     ) -> CoreResult<bool> {
         let b = self.block_size;
-        let request = self.request_at(slot)?;
+        let request = self.requests.get_mut(slot).ok_or(CoreError::Internal("no request"))?;
         let local = request.num_computed_tokens + num_new_computed_tokens;
-        let num_tokens = request.seq.num_tokens();
-        debug_assert!(local + num_new_tokens <= num_tokens && num_new_computed_tokens % b == 0);
-        let total = local.min(self.max_model_len);
-        let need = total
-            .saturating_add(num_new_tokens)
-            .saturating_add(num_lookahead_tokens)
-            .min(self.max_model_len);
-        let target = need.div_ceil(b);
-        let held = request.blocks.len();
-        let hits = new_computed_blocks;
-        let evictable_hits = hits.iter().filter(|&&h| self.pool.ref_cnt(h) == 0).count();
+        debug_assert!(local + num_new_tokens <= request.seq.num_tokens());
         // Copy-on-write: every held block that this step writes into and that a fork shares.
-        let written = local / b..(local + num_new_tokens).div_ceil(b).min(held);
-        let shared = |pool: &BlockPool, blocks: &[u32], i: usize| {
-            blocks.get(i).is_some_and(|&blk| pool.ref_cnt(blk) > 1)
+        let pool = self.engine.pool();
+        let held = request.blocks();
+        let written = local / b..(local + num_new_tokens).div_ceil(b).min(held.len());
+        let num_cow =
+            written.clone().filter(|&i| held.get(i).is_some_and(|&x| pool.ref_cnt(x) > 1));
+        let args = AllocateArgs {
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            // The embedded scheduler's running requests are exactly those holding blocks.
+            has_scheduled_reqs: pool.num_blocks() - 1 > pool.num_free_blocks(),
+            extra_blocks: num_cow.count(),
+            ..AllocateArgs::default()
         };
-        let num_cow = written.clone().filter(|&i| shared(&self.pool, &request.blocks, i)).count();
-        let in_use = self.pool.num_blocks() - 1 - self.pool.num_free_blocks();
-        let watermark = if !request.running && in_use > 0 { self.watermark_blocks } else { 0 };
-        let needed = target.saturating_sub(hits.len() + held) + evictable_hits + num_cow;
-        if needed + watermark > self.pool.num_free_blocks() {
+        let state = request.state();
+        // The engine works on the table; the request gets it back whatever the outcome.
+        let mut table = std::mem::take(&mut request.table);
+        let hashes =
+            verify::CacheKeys::new(request.seq.block_hashes(), self.config.debug_key_bytes);
+        let copies = &mut self.copies;
+        let cow = |pool: &mut BlockPool, table: &mut RequestBlocks| {
+            let Some(blocks) = table.groups.first_mut() else { return };
+            for index in written {
+                let Some(slot) = blocks.blocks.get_mut(index) else { continue };
+                if pool.ref_cnt(*slot) <= 1 {
+                    continue;
+                }
+                let Some(&dst) = pool.get_new_blocks(1).first() else { return };
+                if index * b < local {
+                    copies.push([*slot, dst]);
+                }
+                pool.release_shared(*slot);
+                *slot = dst;
+            }
+        };
+        let new = self.engine.allocate_slots(
+            &mut table,
+            &state,
+            &args,
+            &[new_computed_blocks],
+            &hashes,
+            cow,
+        );
+        request.table = table;
+        if new?.is_none() {
             return Ok(false);
         }
-
-        // Nothing has changed up to here; from now on the allocation succeeds.
-        let request = self.requests.get_mut(slot).ok_or(CoreError::Internal("no request"))?;
-        let pool = &mut self.pool;
         let first_admission = !request.running;
-        for index in written {
-            if !shared(pool, &request.blocks, index) {
-                continue;
-            }
-            let fresh = pool.get_new_blocks(1);
-            let (Some(&dst), Some(slot)) = (fresh.first(), request.blocks.get_mut(index)) else {
-                return Err(CoreError::Internal("copy-on-write found no free block"));
-            };
-            if index * b < local {
-                self.copies.push([*slot, dst]);
-            }
-            pool.release_shared(*slot);
-            *slot = dst;
-        }
-        if !hits.is_empty() {
-            pool.touch(hits);
-            request.blocks.extend_from_slice(hits);
-            request.num_cached_blocks = request.blocks.len();
-        }
-        let new_blocks = pool.get_new_blocks(target.saturating_sub(request.blocks.len()));
-        debug_assert!(request.blocks.len() + new_blocks.len() >= target);
-        request.blocks.extend_from_slice(&new_blocks);
         request.num_computed_tokens = local + num_new_tokens;
         request.running = true;
-        if self.config.enable_caching {
-            let context = CacheContext {
-                pool,
-                provenance: &mut self.provenance,
-                debug_key_bytes: self.config.debug_key_bytes,
-            };
-            context.cache_blocks(request, (total + num_new_tokens).min(num_tokens), b);
-            if first_admission {
-                if let Some(stats) = &mut self.stats {
-                    stats.record(num_tokens, num_new_computed_tokens, request.num_preemptions > 0);
-                }
+        events::report_registered(&mut self.engine, request, self.provenance.as_mut(), b);
+        if self.config.enable_caching && first_admission {
+            if let Some(stats) = &mut self.stats {
+                let num_tokens = request.seq.num_tokens();
+                stats.record(num_tokens, num_new_computed_tokens, request.num_preemptions > 0);
             }
         }
         Ok(true)
@@ -398,14 +430,13 @@ impl BlockManager {
 
     fn free_slot(&mut self, slot: usize) {
         let Some(request) = self.requests.get_mut(slot) else { return };
-        if !request.blocks.is_empty() {
+        if !request.blocks().is_empty() {
             request.num_preemptions += 1;
         }
-        let blocks = std::mem::take(&mut request.blocks);
-        request.num_cached_blocks = 0;
+        let table = std::mem::replace(&mut request.table, RequestBlocks::new(1));
         request.num_computed_tokens = 0;
         request.running = false;
-        self.pool.free_blocks(blocks.iter().rev().copied());
+        self.engine.free(table);
     }
 
     /// Parallel sampling: `child` starts as a copy of `parent` sharing all its blocks.
@@ -416,9 +447,9 @@ impl BlockManager {
         }
         let mut copy = self.request(parent)?.clone();
         copy.num_preemptions = 0;
-        let blocks = copy.blocks.clone();
+        let blocks = copy.blocks().to_vec();
         let (_, handle) = self.requests.insert(child, copy)?;
-        self.pool.touch(&blocks);
+        self.engine.pool_mut().touch(&blocks);
         Ok(handle)
     }
 
@@ -433,11 +464,11 @@ impl BlockManager {
     }
 
     pub fn num_free_blocks(&self) -> usize {
-        self.pool.num_free_blocks()
+        self.engine.num_free_blocks()
     }
 
     pub fn usage(&self) -> f64 {
-        self.pool.usage()
+        self.engine.usage()
     }
 
     /// The statistics since the last call (a fresh record starts), or `None` without stats.
@@ -446,7 +477,7 @@ impl BlockManager {
     }
 
     pub fn reset_prefix_cache(&mut self) -> bool {
-        let done = self.pool.reset_prefix_cache();
+        let done = self.engine.reset_prefix_cache();
         if done {
             if let Some(stats) = &mut self.stats {
                 stats.reset = true;
@@ -456,7 +487,7 @@ impl BlockManager {
     }
 
     pub fn take_events(&mut self) -> Vec<KvEvent> {
-        self.pool.take_events()
+        self.engine.take_events()
     }
 
     /// The `(src, dst)` block copies queued by copy-on-write since the last call.

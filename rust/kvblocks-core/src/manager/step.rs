@@ -282,7 +282,7 @@ impl BlockManager {
             let local = request.num_computed_tokens + hit_tokens;
             let reach = if lookup { num_tokens } else { local.min(self.max_model_len) + new };
             let need = reach.saturating_add(input.num_lookahead_tokens).min(self.max_model_len);
-            let blocks_after = need.div_ceil(b).max(request.blocks.len() + hit_tokens / b);
+            let blocks_after = need.div_ceil(b).max(request.blocks().len() + hit_tokens / b);
             sizes.max_blocks = sizes.max_blocks.max(blocks_after);
             sizes.max_tokens = sizes.max_tokens.saturating_add(new);
         }
@@ -343,9 +343,9 @@ impl PlannedStep<'_, '_> {
         }
         m.last_rows.clear();
         let copies_before = m.copies.len();
-        m.pool.record_evictions();
+        m.engine.pool_mut().record_evictions();
         let scheduled = m.allocate_rows(input, &self.slots, out);
-        let evicted_blocks = m.pool.stop_recording_evictions();
+        let evicted_blocks = m.engine.pool_mut().stop_recording_evictions();
         let mut result = scheduled?;
         // The step hands its own copies over; earlier ones stay for `take_block_copies`.
         result.block_copies = m.copies.split_off(copies_before.min(m.copies.len()));
@@ -452,7 +452,7 @@ impl BlockManager {
             .get_mut(start..start + out.width)
             .ok_or(CoreError::Internal("block table row out of bounds"))?;
         cells.fill(0);
-        cells.iter_mut().zip(&request.blocks).for_each(|(cell, &block)| *cell = block as i32);
+        cells.iter_mut().zip(request.blocks()).for_each(|(cell, &block)| *cell = block as i32);
         let end = request.num_computed_tokens;
         let first = result.num_scheduled_tokens;
         let tokens = first..first + new;
@@ -466,7 +466,7 @@ impl BlockManager {
         let scheduled = (end - new..end).zip(request.seq.tokens_in(end - new, end));
         for (k, (position, token)) in scheduled.enumerate() {
             let block = *request
-                .blocks
+                .blocks()
                 .get(position / b)
                 .ok_or(CoreError::Internal("a scheduled token has no block"))?;
             if let (Some(s), Some(t), Some(p)) =

@@ -3,6 +3,7 @@
 
 use super::{invalid, BlockManager, Request};
 use crate::hashing::native;
+use crate::kv_cache::HashSource;
 use crate::pool::{CacheKey, NULL_BLOCK};
 use crate::{try_filled, BlockHash, CoreResult, ExtraKey, TokenSequence};
 
@@ -33,7 +34,7 @@ impl Provenance {
             let tokens = request.seq.tokens_in(index * b, (index + 1) * b);
             slot.iter_mut().zip(tokens).for_each(|(s, t)| *s = t);
         }
-        let parent = index.checked_sub(1).and_then(|i| request.blocks.get(i)).copied();
+        let parent = index.checked_sub(1).and_then(|i| request.blocks().get(i)).copied();
         if let Some(slot) = self.parent.get_mut(block as usize) {
             *slot = parent.unwrap_or(NO_PARENT);
         }
@@ -76,16 +77,43 @@ fn block_key_bytes(seq: &TokenSequence, index: usize, block_size: usize) -> Opti
     Some(out.into_boxed_slice())
 }
 
-/// The cache key of a block hash (the manager's one group, 0): the hash itself, or its
-/// first `n` bytes in debug mode.
-pub(super) fn key_of(hash: &BlockHash, debug_key_bytes: Option<usize>) -> CacheKey {
-    let Some(n) = debug_key_bytes else { return CacheKey::new(*hash, 0) };
+/// The hash a block is registered under: the hash itself, or its first `n` bytes in debug
+/// mode (so that unrelated blocks collide).
+fn registered_hash(hash: &BlockHash, debug_key_bytes: Option<usize>) -> BlockHash {
+    let Some(n) = debug_key_bytes else { return *hash };
     let mut key = *hash;
     match &mut key {
         BlockHash::Sha256(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
         BlockHash::Xxh3(b) => b.iter_mut().skip(n).for_each(|x| *x = 0),
     }
-    CacheKey::new(key, 0)
+    key
+}
+
+/// The cache key of a block hash in the manager's one group (0).
+pub(super) fn key_of(hash: &BlockHash, debug_key_bytes: Option<usize>) -> CacheKey {
+    CacheKey::new(registered_hash(hash, debug_key_bytes), 0)
+}
+
+/// A sequence's block hashes as the engine registers them (see [`registered_hash`]).
+pub(super) struct CacheKeys<'a> {
+    hashes: &'a [BlockHash],
+    debug_key_bytes: Option<usize>,
+}
+
+impl<'a> CacheKeys<'a> {
+    pub(super) fn new(hashes: &'a [BlockHash], debug_key_bytes: Option<usize>) -> Self {
+        Self { hashes, debug_key_bytes }
+    }
+}
+
+impl HashSource for CacheKeys<'_> {
+    fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    fn get(&self, index: usize) -> CoreResult<BlockHash> {
+        HashSource::get(self.hashes, index).map(|h| registered_hash(&h, self.debug_key_bytes))
+    }
 }
 
 impl BlockManager {
@@ -108,7 +136,7 @@ impl BlockManager {
     /// The cached block for block `index` of `seq`, if any.
     fn find_cached(&self, seq: &TokenSequence, index: usize, parent: u32) -> Option<u32> {
         let hash = seq.block_hashes().get(index)?;
-        let candidates = self.pool.lookup(&self.key_of(hash));
+        let candidates = self.pool().lookup(&self.key_of(hash));
         if self.provenance.is_none() {
             return candidates.first().copied();
         }
@@ -150,7 +178,7 @@ impl BlockManager {
         let mut parent = NO_PARENT;
         for (index, &block) in hits.iter().enumerate() {
             let hash = request.seq.block_hashes().get(index);
-            let registered = hash.is_some_and(|h| self.pool.key(block) == Some(&self.key_of(h)));
+            let registered = hash.is_some_and(|h| self.pool().key(block) == Some(&self.key_of(h)));
             if block == NULL_BLOCK
                 || !registered
                 || hits.get(..index).is_some_and(|seen| seen.contains(&block))
