@@ -112,6 +112,47 @@ def test_two_groups_share_one_pool() -> None:
     assert hits.get_block_ids(group_ids=[1]) == ([0, 0, 7, 8],)
 
 
+def test_two_group_worked_example() -> None:
+    """docs/semantics.md §6.8, step by step: full attention and an 8-token sliding window
+    (blocks of 4, so a window hit needs 2 blocks), vLLM's default retention 0. The expected
+    ids were derived by hand from §6 and agree with vLLM 0.33's own KVCacheManager."""
+    groups = [KVCacheGroup("full", 4), KVCacheGroup("sliding_window", 4, sliding_window=8)]
+    c = core(16, 4, groups, enable_events=True, retention_interval=0)
+    prefix = [h(0), h(1), h(2), h(3)]
+    # 1. 18 tokens: 5 blocks per group; the window group registers only the 2 blocks under
+    #    replay boundary 17 (indices 2, 3), skipping indices 0 and 1.
+    assert admit(c, "r0", prefix, 18) == ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    assert c.num_free_blocks == 5
+    assert c.take_events() == [("stored", "r0", 0, 0, 4, ()), ("stored", "r0", 1, 0, 4, (0, 1))]
+    # 2. Free: queue 10 7 6 5 11 12 13 14 15 4 3 2 1 9 8 (seen through steps 3 and 5).
+    c.free("r0")
+    assert c.num_free_blocks == 15
+    # 3. 21 tokens sharing 16: the window hit is found from the right, nulls before it.
+    longer = [*prefix, h(40)]
+    hits, num_hit, uncached = c.lookup(longer, 20)
+    assert (hits.get_block_ids(), num_hit, uncached) == (([1, 2, 3, 4], [0, 0, 8, 9]), 16, 0)
+    assert admit(c, "r1", longer, 21) == ([1, 2, 3, 4, 10, 7], [0, 0, 8, 9, 6, 5])
+    assert c.num_free_blocks == 5
+    assert c.take_events() == [("stored", "r1", 0, 4, 5, ()), ("stored", "r1", 1, 4, 5, ())]
+    assert c.estimate_cached_tokens("r1") == 20
+    # 4. Decoding token 22 frees block 8 (out of the window), back to the first null.
+    running = request("r1", longer, 22, computed=21)
+    running.num_prompt_tokens, running.status = 21, RUNNING
+    new = c.allocate_for_request(running, 1)
+    assert new is not None
+    assert new.get_block_ids() == ([], [])
+    assert c.get_block_ids("r1") == ([1, 2, 3, 4, 10, 7], [0, 0, 0, 9, 6, 5])
+    assert c.num_free_blocks == 6
+    assert c.take_events() == []
+    # 5. 12 unrelated tokens take 11-13 and 14, 15, 8, evicting 8's entry (h2, group 1).
+    assert admit(c, "x", [h(50), h(51), h(52)], 12) == ([11, 12, 13], [14, 15, 8])
+    assert c.take_events() == [
+        ("removed", h(2), 1),
+        ("stored", "x", 0, 0, 3, ()),
+        ("stored", "x", 1, 0, 3, (2,)),
+    ]
+
+
 def test_watermark_applies_to_waiting_requests_only() -> None:
     c = core(6, 4, watermark_blocks=3)
     waiting = request("a", [], 12)
