@@ -639,3 +639,39 @@ def test_random_mixes(model_dir: Path, seed: int) -> None:
     spec, lag, actions = random_case(seed)
     stock, ours = both(model_dir, spec, actions, lag=lag)
     assert_same(stock, ours)
+
+
+def test_window_hit_search_past_lookahead_hashes() -> None:
+    """The second documented divergence (docs/vllm.md, "Where kvblocks differs"): with
+    lookahead hashing of two or more tokens a request has fewer block hashes than full blocks,
+    and in a layout without full attention vLLM's sliding-window hit search indexes past
+    ``block_hashes`` and raises IndexError; kvblocks' search stops at the last hash."""
+    import torch
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvblocks.vllm.kv_cache_manager import KVCacheManager
+
+    window = SlidingWindowSpec(
+        block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8
+    )
+    config = KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], window)]
+    )
+    kwargs: dict[str, Any] = {
+        "kv_cache_config": config,
+        "max_model_len": 64,
+        "scheduler_block_size": 4,
+        "hash_block_size": 4,
+        "num_hash_lookahead_tokens": 2,
+    }
+    kv_cache_utils.init_none_hash(sha256)
+    hasher = kv_cache_utils.get_request_block_hasher(4, sha256, 2)
+    request = make_request("r", list(range(9)), hasher)
+    assert len(request.block_hashes) == 1  # block 1 (tokens 4..8) waits for tokens 8 and 9
+    with pytest.raises(IndexError):
+        VllmKVCacheManager(**kwargs).get_computed_blocks(request)
+    blocks, num_tokens, _ = KVCacheManager(**kwargs).get_computed_blocks(request)
+    assert (blocks.get_block_ids(), num_tokens) == (([],), 0)
