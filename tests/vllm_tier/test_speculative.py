@@ -13,6 +13,8 @@ kvblocks' manager and hasher ran (no fallback), and the hasher's lookahead.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,12 @@ from hypothesis import strategies as st
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import SchedulerSpec, Speculation, sampled_token
+from kvblocks.vllm.bench_driver import (
+    SchedulerSpec,
+    Speculation,
+    make_vllm_config,
+    sampled_token,
+)
 from kvblocks.vllm.block_hasher import ALGORITHMS
 from tests.vllm_tier.harness import (
     Hasher,
@@ -35,6 +42,8 @@ from tests.vllm_tier.harness import (
     shared_prefix_script,
     soak_script,
 )
+from tests.vllm_tier.test_review_paths import both as review_paths_both
+from tests.vllm_tier.test_review_paths import random_case
 
 CONFIGS = {
     "ngram": Speculation("ngram", 3),
@@ -79,6 +88,7 @@ def settings_of(scheduler: Scheduler) -> tuple[Any, ...]:
         scheduler.num_lookahead_tokens,
         scheduler.num_prefill_lookahead,
         scheduler.num_hash_lookahead_tokens,
+        scheduler.use_eagle_block_drop,
         manager.use_eagle,
         sorted(manager.coordinator.eagle_group_ids),
     )
@@ -166,7 +176,7 @@ def test_the_scheduler_sees_the_speculative_settings(
     eagle = name in EAGLE_FAMILY
     # vLLM flags the group of the draft layers (the full-attention one) for the EAGLE family.
     assert stock == (
-        (k, slots, prefill, hashed, drop, [0] if eagle else []),
+        (k, slots, prefill, hashed, drop, drop, [0] if eagle else []),
         [eagle, False],
         max(prefill - 1, 0),  # the window keeps the MTP modules' extra tokens
         CONFIGS[name].method,
@@ -182,6 +192,19 @@ def test_speculation_is_checked() -> None:
         Speculation("eagle", mtp_modules=2)
     with pytest.raises(ValueError, match="suffix decoding under async"):
         SchedulerSpec(async_scheduling=True, speculative=Speculation("suffix"))
+
+
+def test_suffix_config_leaves_vllm_as_it_was(model_dir: Path) -> None:
+    """Suffix decoding's config is built with vLLM's ``arctic_inference`` check answered yes
+    for the moment, then the check is vLLM's again."""
+    from vllm.config import speculative
+
+    check = speculative.has_arctic_inference
+    spec = SchedulerSpec(speculative=Speculation("suffix", 4))
+    config = make_vllm_config(model_dir, spec).speculative_config
+    assert speculative.has_arctic_inference is check
+    assert (config.method, config.num_speculative_tokens) == ("suffix", 4)
+    assert type(config) is speculative.SpeculativeConfig
 
 
 # The fake model: drafts reach the scheduler as vLLM's engine core hands them.
@@ -362,10 +385,14 @@ def speculative_scripts(draw: st.DrawFn) -> Script:
         st.lists(st.lists(st.integers(0, 999), min_size=1, max_size=40), min_size=1, max_size=3)
     )
     n = draw(st.integers(1, 10))
+    # A small max_model_len: drafts and lookahead slots run into it (prompts stay shorter,
+    # as vLLM's input processor requires).
+    max_model_len = draw(st.sampled_from([8192, 8192, 48]))
     requests = [
         RequestSpec(
-            prompt=draw(st.sampled_from(prefixes))
-            + draw(st.lists(st.integers(0, 999), max_size=30)),
+            prompt=(
+                draw(st.sampled_from(prefixes)) + draw(st.lists(st.integers(0, 999), max_size=30))
+            )[: max_model_len - 1],
             max_tokens=draw(st.integers(1, 24)),
             step=draw(st.integers(0, 12)),
             salt=draw(st.sampled_from([None, None, "a"])),
@@ -375,10 +402,13 @@ def speculative_scripts(draw: st.DrawFn) -> Script:
     groups = 1 if isinstance(layout, str) else 2
     longest = max(len(r.prompt) + r.max_tokens for r in requests) + k + 1
     min_blocks = groups * (-(-longest // block_size) + 2)
+    sliding = isinstance(layout, list) and any(kind == "sliding_window" for kind, _ in layout)
     spec = SchedulerSpec(
         block_size=block_size,
         num_blocks=draw(st.integers(min_blocks, min_blocks + 40)),
         layout=layout,
+        retention_interval=draw(st.sampled_from([0, None, 4 * block_size])) if sliding else 0,
+        max_model_len=max_model_len,
         hash_algo=draw(st.sampled_from(ALGORITHMS)),
         enable_caching=caching,
         max_num_seqs=draw(st.sampled_from([1, 2, 4, 16])),
@@ -404,6 +434,47 @@ def speculative_scripts(draw: st.DrawFn) -> Script:
 @given(script=speculative_scripts())
 def test_random_scripts(model_dir: Path, script: Script) -> None:
     compare(model_dir, script)
+
+
+# The review paths' random mixes, speculating.
+
+
+def speculative_mix(seed: int) -> tuple[SchedulerSpec, int, Any]:
+    """``test_review_paths.random_case`` (streaming sessions, stop tokens, prompt logprobs,
+    the priority policy, resets preempting running requests, long-prefill thresholds,
+    ``scheduler_reserve_full_isl``, tiny pools) with a random speculative config and layout;
+    outputs one step late under async scheduling, else at once."""
+    spec, _, actions = random_case(seed)
+    rng = random.Random(f"speculative-{seed}")
+    methods = ["ngram", "eagle", "eagle3", "mtp"] + ([] if spec.async_scheduling else ["suffix"])
+    method = rng.choice(methods)
+    k = rng.randint(1, 4)
+    if method == "mtp" and spec.enable_caching:
+        k = min(k, spec.block_size)  # vLLM refuses more MTP modules than a block holds
+    layout = rng.choice(["llama", "llama", GPT_OSS_SMALL, "mla"])
+    speculation = Speculation(
+        method,
+        k,
+        disable_lookahead_block_hashes=rng.random() < 0.4,
+        mtp_modules=k if method == "mtp" else None,
+    )
+    groups = 1 if isinstance(layout, str) else 2
+    spec = dataclasses.replace(
+        spec,
+        speculative=speculation,
+        layout=layout,
+        num_blocks=spec.num_blocks * groups + k,
+        max_num_batched_tokens=max(spec.max_num_batched_tokens, 16),
+    )
+    return spec, 1 if spec.async_scheduling else 0, actions
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_mixes_of_the_review_paths(model_dir: Path, seed: int) -> None:
+    spec, lag, actions = speculative_mix(seed)
+    stock, ours = review_paths_both(model_dir, spec, actions, lag=lag)
+    assert_same(stock, ours)
+    assert scheduled_drafts(stock) or stock[-1][0] == "raised"
 
 
 # Soaks: more than a thousand steps.
