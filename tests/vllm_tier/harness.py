@@ -9,18 +9,26 @@ the result of any ``reset_prefix_cache``; the run ends with every request's bloc
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from vllm.lora.request import LoRARequest
+from vllm.v1.core.sched import scheduler as scheduler_module
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import SchedulerSpec, block_hasher, make_request, make_scheduler
+from kvblocks.vllm.bench_driver import (
+    SchedulerSpec,
+    block_hasher,
+    drafter_for,
+    make_request,
+    make_scheduler,
+)
 from tests.vllm_tier.simulation import IMPLS, implementation, run
 
 Hasher = Callable[[Request], list[bytes]]
@@ -45,6 +53,9 @@ class Script:
     requests: list[RequestSpec]
     aborts: list[tuple[int, int]] = field(default_factory=list)
     resets: list[int] = field(default_factory=list)
+    #: Speculative decoding: the fake drafter's seed and how often its guesses are right.
+    draft_seed: int = 0
+    draft_accuracy: float = 0.75
 
 
 def on_each_manager(
@@ -55,18 +66,42 @@ def on_each_manager(
     seed: str = "0",
 ) -> list[T]:
     """``play`` on a fresh scheduler and request block hasher for ``spec``, with stock vLLM,
-    then with kvblocks; asserts each run had the KV-cache manager and the hasher it should."""
+    then with kvblocks; asserts each run had the KV-cache manager and the hasher it should,
+    and that the scheduler built both managers with the same arguments. The hasher is
+    ``EngineCore``'s, with the config's lookahead (EAGLE/MTP lookahead hashing)."""
     results = []
+    arguments: list[dict[str, Any]] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONHASHSEED", seed)  # one NONE_HASH for both runs (xxhash)
         for impl in IMPLS:
-            with implementation(impl) as manager:
+            with implementation(impl) as manager, _recording(arguments):
                 scheduler = make_scheduler(model_dir, spec)
                 assert type(scheduler.kv_cache_manager) is manager
-                hasher = block_hasher(spec.hash_algo, spec.block_size)
+                lookahead = scheduler.vllm_config.num_hash_lookahead_tokens
+                hasher = block_hasher(spec.hash_algo, spec.block_size, lookahead)
                 assert hasher.__module__ == HASHER_MODULES[impl]
                 results.append(play(scheduler, hasher))
+    stock_arguments, ours_arguments = arguments
+    assert ours_arguments == stock_arguments
     return results
+
+
+@contextmanager
+def _recording(arguments: list[dict[str, Any]]) -> Iterator[None]:
+    """Records the keyword arguments of the KV-cache manager a scheduler builds inside
+    (through whatever vLLM's scheduler module names ``KVCacheManager``: vLLM's class, or
+    kvblocks' factory)."""
+    build = scheduler_module.KVCacheManager
+
+    def recording(**kwargs: Any) -> Any:
+        arguments.append(kwargs)
+        return build(**kwargs)
+
+    scheduler_module.KVCacheManager = recording
+    try:
+        yield
+    finally:
+        scheduler_module.KVCacheManager = build
 
 
 def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
@@ -87,7 +122,15 @@ def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
         )
         arrivals.append((r.step, request))
     aborts = [(step, f"r{i}") for step, i in script.aborts]
-    return run(scheduler, arrivals, aborts=aborts, resets=script.resets, max_steps=5_000)
+    drafter = drafter_for(scheduler, seed=script.draft_seed, accuracy=script.draft_accuracy)
+    return run(
+        scheduler,
+        arrivals,
+        aborts=aborts,
+        resets=script.resets,
+        max_steps=5_000,
+        drafter=drafter,
+    )
 
 
 def both(model_dir: Path, script: Script, *, seed: str = "0") -> tuple[list[Any], list[Any]]:
@@ -139,3 +182,19 @@ def shared_prefix_script(
             )
         )
     return Script(spec, requests)
+
+
+def soak_script(spec: SchedulerSpec, seed: int, *, spacing: int = 8) -> Script:
+    """A long run: 150 shared-prefix requests arriving every ``spacing`` steps (more than a
+    thousand steps), every 7th salted, every 11th with a LoRA adapter, 20 aborts and a
+    prefix-cache reset every 97 steps."""
+    script = shared_prefix_script(spec, 150, seed=seed)
+    for i, r in enumerate(script.requests):
+        r.step = i * spacing
+        if i % 7 == 0:
+            r.salt = "s"
+        if i % 11 == 0:
+            r.lora = 1 + i % 2
+    script.aborts = [(i * 40, i * 3) for i in range(20)]
+    script.resets = list(range(0, 1500, 97))
+    return script

@@ -21,7 +21,7 @@ from vllm.v1.request import Request, RequestStatus
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import FakeModel, snapshot
+from kvblocks.vllm.bench_driver import Drafter, FakeModel, drafter_for, snapshot
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
 
 #: The two sides of every comparison: stock vLLM, and vLLM with kvblocks installed.
@@ -67,7 +67,8 @@ class EventRecorder:
 
 def _outputs(engine_outputs: dict[int, Any]) -> tuple[Any, ...]:
     """The request outputs (with their prefill statistics, which ``estimate_cached_tokens``
-    feeds) and the prefix-cache statistics of one ``update_from_output``."""
+    feeds) and the prefix-cache and speculative-decoding statistics of one
+    ``update_from_output``."""
     outputs, stats = [], None
     for eco in engine_outputs.values():
         outputs += [
@@ -82,10 +83,12 @@ def _outputs(engine_outputs: dict[int, Any]) -> tuple[Any, ...]:
         if eco.scheduler_stats is not None:
             s = eco.scheduler_stats
             p = s.prefix_cache_stats
+            d = s.spec_decoding_stats
             stats = (
                 round(s.kv_cache_usage, 12),
                 (p.reset, p.requests, p.queries, p.hits),
                 (p.preempted_requests, p.preempted_queries, p.preempted_hits),
+                None if d is None else dataclasses.asdict(d),
             )
     return tuple(outputs), stats
 
@@ -105,6 +108,7 @@ def run(
     catch: bool = False,
     max_steps: int = 10_000,
     publisher: Any = None,
+    drafter: Drafter | None = None,
 ) -> list[tuple[Any, ...]]:
     """Drives ``scheduler`` to the end of a script: before a step's ``schedule()``, the
     requests arriving at that step are added, its aborts and its ``reset_prefix_cache()`` call
@@ -118,7 +122,11 @@ def run(
     arrivals' final block hashes. Each model output is handed back ``lag`` steps late (by
     default 1 for an ``AsyncScheduler``, as under async scheduling, else 0; more is a
     pipeline-parallel batch queue), one output a step, as ``EngineCore`` does; a step
-    schedules only when there are requests or nothing is in flight. With ``catch``, an
+    schedules only when there are requests or nothing is in flight. With speculative
+    decoding, the fake model verifies drafts and proposes new ones (``drafter``, by default
+    :func:`~kvblocks.vllm.bench_driver.drafter_for`'s); synchronously, ``EngineCore``'s
+    ``post_step`` hands them to ``update_draft_token_ids`` after each step that ran the
+    model (there is no batch queue with speculative decoding here). With ``catch``, an
     exception ends the run and is its last record, ``("raised", type name)``. With
     ``publisher`` (e.g. vLLM's ZMQ publisher), KV events go there instead of into the
     records."""
@@ -129,10 +137,13 @@ def run(
     last = max([*actions, *(step for step, _ in pending)], default=-1)
     recorder = EventRecorder()
     scheduler.kv_event_publisher = recorder if publisher is None else publisher
-    model = FakeModel()
+    model = FakeModel(drafter_for(scheduler) if drafter is None else drafter)
     if lag is None:
         # vLLM may turn the config flag off on the CPU, so the class decides.
         lag = 1 if isinstance(scheduler, AsyncScheduler) else 0
+    hands_drafts = model.drafter is not None and not model.drafter.in_worker
+    if hands_drafts and lag:
+        raise ValueError("speculative decoding runs synchronously or under async scheduling")
     manager = scheduler.kv_cache_manager
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
     steps: list[tuple[Any, ...]] = []
@@ -158,6 +169,9 @@ def run(
             if len(in_flight) > lag or not scheduler.has_requests():
                 done, result = in_flight.pop(0)
                 outputs = _outputs(scheduler.update_from_output(done, result))
+                drafts = model.take_draft_token_ids()
+                if drafts is not None and done.total_num_scheduled_tokens:
+                    scheduler.update_draft_token_ids(drafts)
             tables = sorted(
                 (rid, tuple(map(tuple, manager.get_blocks(rid).get_block_ids())))
                 for rid in scheduler.requests

@@ -22,6 +22,7 @@ from tests.vllm_tier.harness import (
     events_spec,
     on_each_manager,
     shared_prefix_script,
+    soak_script,
 )
 from tests.vllm_tier.simulation import run
 
@@ -63,16 +64,7 @@ def test_prefix_caching_off(model_dir: Path) -> None:
 
 def test_long_soak_thousands_of_steps(model_dir: Path) -> None:
     spec = SchedulerSpec(block_size=4, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
-    script = shared_prefix_script(spec, 150, seed=99)
-    for i, r in enumerate(script.requests):
-        r.step = i * 8
-        if i % 7 == 0:
-            r.salt = "s"
-        if i % 11 == 0:
-            r.lora = 1 + i % 2
-    script.aborts = [(i * 40, i * 3) for i in range(20)]
-    script.resets = list(range(0, 1500, 97))
-    stock, ours = both(model_dir, script)
+    stock, ours = both(model_dir, soak_script(spec, seed=99))
     assert len(stock) > 1000
     assert_same(stock, ours)
 

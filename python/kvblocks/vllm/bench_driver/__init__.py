@@ -2,15 +2,19 @@
 what ``benches/bench_vllm.py`` and ``kvblocks bench --engine vllm`` run (and what the vLLM
 test tier builds its schedulers with).
 
-No network and no weights: a tiny Llama ``config.json`` written to a directory, a
-``KVCacheConfig`` with one full-attention group, and fake model outputs. The scheduler, its
-KV-cache manager and the request block hasher are vLLM's (or kvblocks', where the plugin is
-installed).
+No network and no weights: a tiny Llama ``config.json`` written to a directory (tiny draft
+models' too, for speculative decoding), a ``KVCacheConfig`` of the layout's groups, and fake
+model outputs. The scheduler, its KV-cache manager and the request block hasher are vLLM's
+(or kvblocks', where the plugin is installed).
 
 - :mod:`~kvblocks.vllm.bench_driver.config`: vLLM's platform, the tiny model, the
   ``VllmConfig``, the KV-cache layout and the scheduler;
+- :mod:`~kvblocks.vllm.bench_driver.speculative`: speculative decoding (vLLM's own
+  ``SpeculativeConfig``, draft models written as tiny configs);
 - :mod:`~kvblocks.vllm.bench_driver.fake_model`: requests, the fake model's outputs, and what
   a step decided;
+- :mod:`~kvblocks.vllm.bench_driver.drafts`: the fake model's drafter (proposals, which
+  drafts a step accepts, and how they reach the scheduler);
 - :mod:`~kvblocks.vllm.bench_driver.timing`: workloads and timed runs.
 
 Importing the driver imports nothing of vLLM and changes no environment variable; it fails
@@ -36,6 +40,7 @@ from kvblocks.vllm.bench_driver.config import (
     tiny_model_dir,
     write_model_dir,
 )
+from kvblocks.vllm.bench_driver.drafts import Drafter, drafter_for
 from kvblocks.vllm.bench_driver.fake_model import (
     FakeModel,
     block_hasher,
@@ -44,6 +49,7 @@ from kvblocks.vllm.bench_driver.fake_model import (
     sampled_token,
     snapshot,
 )
+from kvblocks.vllm.bench_driver.speculative import Speculation
 from kvblocks.vllm.bench_driver.timing import Timings, Workload, timed_run
 
 if find_spec("vllm") is None:  # say it now, not at the first run
@@ -53,11 +59,14 @@ __all__ = [
     "LAYOUTS",
     "MAX_MODEL_LEN",
     "VOCAB_SIZE",
+    "Drafter",
     "FakeModel",
     "SchedulerSpec",
+    "Speculation",
     "Timings",
     "Workload",
     "block_hasher",
+    "drafter_for",
     "layout_groups",
     "make_kv_cache_config",
     "make_request",

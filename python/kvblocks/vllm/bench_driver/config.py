@@ -3,7 +3,9 @@
 Every vLLM configuration the driver (and the vLLM test tier) builds comes from here:
 :class:`SchedulerSpec` names the knobs, :func:`make_vllm_config` turns it into a
 ``VllmConfig``, :func:`make_kv_cache_config` into the KV-cache layout, and
-:func:`make_scheduler` into vLLM's own scheduler over both.
+:func:`make_scheduler` into vLLM's own scheduler over both. Speculative decoding
+(:class:`~kvblocks.vllm.bench_driver.speculative.Speculation`) is vLLM's own
+``SpeculativeConfig``, built in :mod:`~kvblocks.vllm.bench_driver.speculative`.
 
 vLLM picks its platform once, from ``VLLM_TARGET_DEVICE``, when ``vllm.config`` is first
 imported. The driver wants the CPU platform (it runs only the scheduler, which never touches a
@@ -23,6 +25,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvblocks.vllm.bench_driver.speculative import (
+    Speculation,
+    mark_draft_groups,
+    speculative_config,
+)
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -127,18 +135,31 @@ class SchedulerSpec:
     watermark: float = 0.0
     kv_events: bool = False
     max_model_len: int = MAX_MODEL_LEN
+    #: Speculative decoding (vLLM's ``SpeculativeConfig`` for it), or none.
+    speculative: Speculation | None = None
     #: More ``SchedulerConfig`` fields (``policy``, ``long_prefill_token_threshold``, ...).
     scheduler: dict[str, Any] = field(default_factory=dict)
     #: More ``VllmConfig`` fields.
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.async_scheduling and self.speculative and self.speculative.method == "suffix":
+            # V2 does not run suffix decoding, and V1 refuses it with async scheduling.
+            raise ValueError("vLLM has no model runner for suffix decoding under async scheduling")
 
 
 def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     """The ``VllmConfig`` of ``spec`` for the model in ``model_dir``, on vLLM's CPU platform
     (:func:`select_cpu_platform`)."""
     select_cpu_platform()
-    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
+    speculation = spec.speculative
+    # vLLM's CPU platform turns async scheduling off in the config anyway (the driver's
+    # scheduler class is what makes it async); asking for it would only run the check of
+    # the V1 model runner, the one the CPU gets, which refuses n-gram drafting under async
+    # scheduling (the V2 runner, the GPU default, runs it).
+    async_flag = spec.async_scheduling and not (speculation and speculation.method == "ngram")
     scheduler_config = SchedulerConfig(
         # vLLM needs a token budget of at least one token per sequence.
         max_num_seqs=min(spec.max_num_seqs, spec.max_num_batched_tokens),
@@ -146,7 +167,7 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         max_model_len=spec.max_model_len,
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
-        async_scheduling=spec.async_scheduling,
+        async_scheduling=async_flag,
         watermark=spec.watermark,
         **spec.scheduler,
     )
@@ -165,10 +186,14 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     if spec.max_model_len != models.max_model_len:
         models = copy.copy(models)  # the cached config is shared
         models.max_model_len = spec.max_model_len
+    parallel_config = extra.pop("parallel_config", None) or ParallelConfig()
+    if speculation is not None:
+        extra["speculative_config"] = speculative_config(speculation, models, parallel_config)
     return VllmConfig(
         model_config=models,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
+        parallel_config=parallel_config,
         **extra,
     )
 
@@ -182,9 +207,13 @@ def layout_groups(layout: str | list[tuple[str, int]]) -> list[tuple[str, int]]:
     return list(layout)
 
 
-def make_kv_cache_config(spec: SchedulerSpec) -> KVCacheConfig:
+def make_kv_cache_config(
+    spec: SchedulerSpec, vllm_config: VllmConfig | None = None
+) -> KVCacheConfig:
     """``spec.layout``'s KV-cache groups over one pool of ``spec.num_blocks`` blocks, each
-    group's spec as vLLM builds it for that kind (tiny head sizes: nothing is allocated)."""
+    group's spec as vLLM builds it for that kind (tiny head sizes: nothing is allocated);
+    with ``vllm_config``, as vLLM's planning adjusts them for its speculative decoding
+    (:func:`~kvblocks.vllm.bench_driver.speculative.mark_draft_groups`)."""
     select_cpu_platform()
     import torch
     from vllm.v1.kv_cache_interface import (
@@ -212,12 +241,16 @@ def make_kv_cache_config(spec: SchedulerSpec) -> KVCacheConfig:
         else:
             raise ValueError(f"unknown KV-cache group kind {kind!r}")
         groups.append(KVCacheGroupSpec([f"layer.{i}"], group_spec))
-    return KVCacheConfig(
+    config = KVCacheConfig(
         num_blocks=spec.num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=groups,
         prefix_cache_retention_interval=spec.retention_interval,
     )
+    if vllm_config is not None and vllm_config.speculative_config is not None:
+        draft_groups = spec.speculative.draft_groups if spec.speculative else None
+        mark_draft_groups(config, vllm_config, draft_groups)
+    return config
 
 
 def make_scheduler(
@@ -241,7 +274,7 @@ def make_scheduler(
             scheduler_cls = AsyncScheduler
     return scheduler_cls(
         vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config or make_kv_cache_config(spec),
+        kv_cache_config=kv_cache_config or make_kv_cache_config(spec, vllm_config),
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=spec.block_size,

@@ -3,7 +3,9 @@ step decided as plain values.
 
 The fake model samples one token for each request whose prefill is done: a fixed function of
 the request id and the position (:func:`sampled_token`), so two runs that schedule alike
-produce alike.
+produce alike. With a drafter (:class:`~kvblocks.vllm.bench_driver.drafts.Drafter`,
+speculative decoding) it also verifies the step's drafts: it returns the accepted ones and
+the token after them.
 """
 
 from __future__ import annotations
@@ -17,13 +19,18 @@ from kvblocks.vllm.bench_driver.config import VOCAB_SIZE, select_cpu_platform
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
 
+    from kvblocks.vllm.bench_driver.drafts import Drafter
 
-def block_hasher(hash_algo: str, block_size: int) -> Callable[[Request], list[bytes]]:
+
+def block_hasher(
+    hash_algo: str, block_size: int, num_hash_lookahead_tokens: int = 0
+) -> Callable[[Request], list[bytes]]:
     """The request block hasher as ``EngineCore`` builds it: NONE_HASH first, then the
-    factory looked up through ``kv_cache_utils`` (which the plugin patches)."""
+    factory looked up through ``kv_cache_utils`` (which the plugin patches), with the
+    config's ``num_hash_lookahead_tokens`` (EAGLE/MTP lookahead hashing)."""
     select_cpu_platform()
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
@@ -31,7 +38,7 @@ def block_hasher(hash_algo: str, block_size: int) -> Callable[[Request], list[by
     hash_fn = get_hash_fn_by_name(hash_algo)
     kv_cache_utils.init_none_hash(hash_fn)
     hasher: Callable[[Request], list[bytes]] = kv_cache_utils.get_request_block_hasher(
-        block_size, hash_fn
+        block_size, hash_fn, num_hash_lookahead_tokens
     )
     return hasher
 
@@ -62,10 +69,12 @@ def sampled_token(request_id: str, index: int) -> int:
 class FakeModel:
     """Samples one token for every request whose prefill is done, deciding at schedule time
     (as the GPU would), so that outputs can be handed back one step late under async
-    scheduling."""
+    scheduling; with a ``drafter``, also the drafts it accepts, and then proposes the next
+    ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, drafter: Drafter | None = None) -> None:
         self._num_sampled: dict[str, int] = {}
+        self.drafter = drafter
 
     def execute(self, scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(out.num_scheduled_tokens)
@@ -76,9 +85,28 @@ class FakeModel:
                 sampled.append([])
                 continue
             index = self._num_sampled.get(req_id, 0)
-            self._num_sampled[req_id] = index + 1
-            sampled.append([sampled_token(req_id, index)])
+            tokens = [sampled_token(req_id, index)]
+            if self.drafter is not None:
+                scheduled = out.scheduled_spec_decode_tokens.get(req_id, [])
+                for draft in self.drafter.to_verify(req_id, scheduled):
+                    if draft != tokens[-1]:  # the first wrong draft ends the accepted run
+                        break
+                    tokens.append(sampled_token(req_id, index + len(tokens)))
+            self._num_sampled[req_id] = index + len(tokens)
+            sampled.append(tokens)
+        if self.drafter is not None and req_ids:
+            self.drafter.propose(
+                {
+                    r: self._num_sampled[r] if s else None
+                    for r, s in zip(req_ids, sampled, strict=True)
+                }
+            )
         return model_output(req_ids, sampled)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts the engine core hands the scheduler after a step (vLLM's
+        ``take_draft_token_ids``): none without a drafter or under async scheduling."""
+        return None if self.drafter is None else self.drafter.take_draft_token_ids()
 
 
 def model_output(req_ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
@@ -114,4 +142,5 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
         sorted(cached.resumed_req_ids),
         sorted(out.finished_req_ids),
         sorted(out.preempted_req_ids or ()),
+        sorted((r, list(t)) for r, t in out.scheduled_spec_decode_tokens.items()),
     )

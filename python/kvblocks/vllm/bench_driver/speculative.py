@@ -1,0 +1,205 @@
+"""Speculative decoding for the driver: :class:`Speculation` (what a ``SchedulerSpec`` asks
+for) and vLLM's own ``SpeculativeConfig`` for it, built offline.
+
+Every method is vLLM's real ``SpeculativeConfig``, so that the properties the scheduler and
+the KV-cache manager read (``VllmConfig.num_lookahead_tokens``,
+``num_prefill_lookahead_tokens``, ``num_hash_lookahead_tokens``, ``use_eagle_block_drop()``,
+...) are vLLM's code, not a copy:
+
+- ``ngram`` needs nothing but the target model's config;
+- ``eagle``, ``eagle3`` and ``mtp`` need a draft model: a tiny ``config.json`` written to a
+  temporary directory (EAGLE and EAGLE-3: a one-layer Llama head; MTP: a DeepSeek-V3
+  config whose ``num_nextn_predict_layers`` is the number of MTP modules, which vLLM turns
+  into its ``deepseek_mtp`` draft). No weights are read. vLLM inspects each draft
+  architecture once, in a subprocess (some seconds), and caches the result under
+  ``VLLM_CACHE_ROOT``;
+- ``suffix``: vLLM's config refuses to build unless the ``arctic_inference`` package can be
+  imported (its only use is the worker's proposer, which the driver does not run), so the
+  driver answers that one check "yes" while the config is built
+  (:func:`_arctic_inference_check_passes`); every field and property is vLLM's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: The methods the driver builds (those kvblocks' guard allows).
+METHODS = ("ngram", "suffix", "eagle", "eagle3", "mtp")
+#: Methods whose drafter has its own forward pass (vLLM's ``use_eagle()``).
+EAGLE_FAMILY = frozenset({"eagle", "eagle3", "mtp"})
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as a ``SchedulerSpec`` asks for it: the method, the draft length
+    ``k`` and the flags of vLLM's ``SpeculativeConfig`` that reach the KV-cache manager."""
+
+    method: str
+    num_speculative_tokens: int = 3
+    #: EAGLE/MTP: use the EAGLE last-block drop instead of lookahead block hashes.
+    disable_lookahead_block_hashes: bool = False
+    #: EAGLE/MTP: neither (vLLM's experimental ``disable_eagle_block_drop``).
+    disable_eagle_block_drop: bool = False
+    #: MTP: the draft's ``num_nextn_predict_layers`` (default: ``num_speculative_tokens``,
+    #: so that k > 1 is multi-module MTP and ``num_prefill_lookahead`` is k).
+    mtp_modules: int | None = None
+    #: Which KV-cache groups hold the draft model's layers (vLLM flags them
+    #: ``is_eagle_group`` when the method needs the EAGLE block drop). ``None``: the first
+    #: full-attention or MLA group, where an EAGLE head or MTP module's attention lands.
+    draft_groups: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; expected one of {METHODS}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if self.mtp_modules is not None and (self.method != "mtp" or self.mtp_modules < 1):
+            raise ValueError("mtp_modules is a positive count, for method 'mtp' only")
+
+    @property
+    def drafts_every_step(self) -> bool:
+        """EAGLE-style drafters propose k tokens for every request; n-gram and suffix
+        decoding propose up to k, or none when nothing matches."""
+        return self.method in EAGLE_FAMILY
+
+
+def _eagle_head(architecture: str, vocab_size: int, max_len: int) -> dict[str, Any]:
+    return {
+        "architectures": [architecture],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_len,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+    }
+
+
+def _deepseek_mtp(modules: int, vocab_size: int, max_len: int) -> dict[str, Any]:
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 2,
+        "num_nextn_predict_layers": modules,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_len,
+        "torch_dtype": "float32",
+    }
+
+
+@functools.cache
+def draft_model_dir(method: str, modules: int, vocab_size: int, max_len: int) -> Path:
+    """A process-wide temporary directory holding the draft model's ``config.json`` for an
+    EAGLE, EAGLE-3 or MTP (``modules`` MTP layers) config."""
+    if method == "eagle":
+        config = _eagle_head("EagleLlamaForCausalLM", vocab_size, max_len)
+    elif method == "eagle3":
+        config = _eagle_head("Eagle3LlamaForCausalLM", vocab_size, max_len)
+    elif method == "mtp":
+        config = _deepseek_mtp(modules, vocab_size, max_len)
+    else:
+        raise ValueError(f"method {method!r} has no draft model")
+    path = Path(tempfile.mkdtemp(prefix=f"kvblocks-{method}-draft-"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@contextmanager
+def _arctic_inference_check_passes() -> Iterator[None]:
+    """vLLM's suffix-decoding config checks that ``arctic_inference`` can be imported; the
+    scheduler never imports it (the worker's proposer does), so the check is answered yes
+    while the config is built."""
+    from vllm.config import speculative
+
+    original = speculative.has_arctic_inference
+    speculative.has_arctic_inference = lambda: True
+    try:
+        yield
+    finally:
+        speculative.has_arctic_inference = original
+
+
+def speculative_config(
+    speculation: Speculation, target: ModelConfig, parallel: ParallelConfig
+) -> SpeculativeConfig:
+    """vLLM's ``SpeculativeConfig`` for ``speculation`` on the ``target`` model."""
+    from vllm.config import SpeculativeConfig
+
+    kwargs: dict[str, Any] = {
+        "method": speculation.method,
+        "num_speculative_tokens": speculation.num_speculative_tokens,
+        "target_model_config": target,
+        "target_parallel_config": parallel,
+        "disable_lookahead_block_hashes": speculation.disable_lookahead_block_hashes,
+        "disable_eagle_block_drop": speculation.disable_eagle_block_drop,
+    }
+    if speculation.method in EAGLE_FAMILY:
+        modules = speculation.mtp_modules or speculation.num_speculative_tokens
+        draft = draft_model_dir(
+            speculation.method, modules, target.get_vocab_size(), target.max_model_len
+        )
+        kwargs["model"] = str(draft)
+    if speculation.method == "suffix":
+        with _arctic_inference_check_passes():
+            return SpeculativeConfig(**kwargs)
+    return SpeculativeConfig(**kwargs)
+
+
+def mark_draft_groups(
+    kv_cache_config: KVCacheConfig, vllm_config: VllmConfig, draft_groups: tuple[int, ...] | None
+) -> None:
+    """What vLLM's KV-cache planning does to the groups for speculative decoding: every
+    sliding-window spec retains ``num_prefill_lookahead_tokens - 1`` extra tokens (multi-module
+    MTP), and where the method needs the EAGLE block drop the groups holding draft layers
+    are flagged ``is_eagle_group`` (``draft_groups``, or the first full-attention/MLA group)."""
+    from dataclasses import replace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    extra = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
+    groups = kv_cache_config.kv_cache_groups
+    for group in groups:
+        if isinstance(group.kv_cache_spec, SlidingWindowSpec):
+            group.kv_cache_spec = replace(group.kv_cache_spec, extra_retained_tokens=extra)
+    config = vllm_config.speculative_config
+    if config is None or not config.use_eagle_block_drop():
+        return
+    if draft_groups is None:
+        full = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, FullAttentionSpec)]
+        draft_groups = tuple(full[:1])
+    for i, group in enumerate(groups):
+        group.is_eagle_group = i in draft_groups
+        if group.is_eagle_group:
+            group.layer_names = [*group.layer_names, f"draft.{i}"]
