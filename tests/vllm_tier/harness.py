@@ -184,6 +184,22 @@ def shared_prefix_script(
     return Script(spec, requests)
 
 
+def featured_script(spec: SchedulerSpec, seed: int = 11, **kwargs: Any) -> Script:
+    """A 30-request shared-prefix script with one request each using LoRA, a cache salt,
+    ``kv_cache_report_mode="full"`` and ``skip_reading_prefix_cache``, three aborts, a reset
+    at step 2 that fails (blocks in use) and one at 299 that finds the engine idle, after
+    which a request repeating an earlier prompt must miss what it would have hit."""
+    script = shared_prefix_script(spec, 30, seed=seed, **kwargs)
+    script.requests[3].lora = 2
+    script.requests[5].salt = "tenant"
+    script.requests[7].sampling = {"extra_args": {"kv_cache_report_mode": "full"}}
+    script.requests[9].sampling = {"skip_reading_prefix_cache": True}
+    script.aborts = [(4, 0), (9, 12), (30, 25)]
+    script.requests.append(RequestSpec(script.requests[1].prompt, 5, 300))
+    script.resets = [2, 299]
+    return script
+
+
 def soak_script(spec: SchedulerSpec, seed: int, *, spacing: int = 8) -> Script:
     """A long run: 150 shared-prefix requests arriving every ``spacing`` steps (more than a
     thousand steps), every 7th salted, every 11th with a LoRA adapter, 20 aborts and a

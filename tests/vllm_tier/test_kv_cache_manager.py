@@ -20,6 +20,7 @@ from tests.vllm_tier.harness import (
     assert_same,
     both,
     events_spec,
+    featured_script,
     on_each_manager,
     shared_prefix_script,
     soak_script,
@@ -39,17 +40,7 @@ def test_shared_prefixes_chunked_prefill_and_preemption(model_dir: Path, algo: s
 
 def test_kv_events_stats_aborts_and_resets(model_dir: Path, async_scheduling: bool) -> None:
     spec = events_spec(48, async_scheduling=async_scheduling, watermark=0.05)
-    script = shared_prefix_script(spec, 30, seed=11)
-    script.requests[3].lora = 2
-    script.requests[5].salt = "tenant"
-    script.requests[7].sampling = {"extra_args": {"kv_cache_report_mode": "full"}}
-    script.requests[9].sampling = {"skip_reading_prefix_cache": True}
-    script.aborts = [(4, 0), (9, 12), (30, 25)]
-    # The reset at step 2 fails (blocks in use); the one at 299 finds the engine idle, and a
-    # request arriving after it must miss everything it would have hit.
-    script.requests.append(RequestSpec(script.requests[1].prompt, 5, 300))
-    script.resets = [2, 299]
-    stock, ours = both(model_dir, script)
+    stock, ours = both(model_dir, featured_script(spec))
     assert_same(stock, ours)
     kinds = {kind for record in stock[:-1] for batch in record[3] for kind, _ in batch}
     assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}

@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 
 from kvblocks.vllm import _state
 from kvblocks.vllm.bench_driver import SchedulerSpec, layout_groups
-from tests.vllm_tier.harness import RequestSpec, Script, assert_same, both, shared_prefix_script
+from tests.vllm_tier.harness import (
+    RequestSpec,
+    Script,
+    assert_same,
+    both,
+    featured_script,
+    shared_prefix_script,
+    soak_script,
+)
 
 #: Small stand-ins for the families' layouts (block size 4): the window and chunk sizes are
 #: a few blocks, so that blocks leave windows and chunks within a script.
@@ -83,15 +91,7 @@ def test_small_pool_preempts_identically(
 @pytest.mark.parametrize("layout", ["gpt-oss", "llama4", "two windows"])
 def test_salts_lora_aborts_resets_and_report_mode(model_dir: Path, layout: str) -> None:
     spec = spec_for(layout, watermark=0.05)
-    script = shared_prefix_script(spec, 30, seed=11, prefix_lens=(5, 80))
-    script.requests[3].lora = 2
-    script.requests[5].salt = "tenant"
-    script.requests[7].sampling = {"extra_args": {"kv_cache_report_mode": "full"}}
-    script.requests[9].sampling = {"skip_reading_prefix_cache": True}
-    script.aborts = [(4, 0), (9, 12), (30, 25)]
-    script.requests.append(RequestSpec(script.requests[1].prompt, 5, 300))
-    script.resets = [2, 299]
-    stock, ours = both(model_dir, script)
+    stock, ours = both(model_dir, featured_script(spec, prefix_lens=(5, 80)))
     assert_same(stock, ours)
     kinds = {kind for record in stock[:-1] for batch in record[3] for kind, _ in batch}
     assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
@@ -107,15 +107,7 @@ def test_prefix_caching_off(model_dir: Path, layout: str) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_soak_of_over_a_thousand_steps(model_dir: Path, layout: str) -> None:
     spec = spec_for(layout, blocks_per_group=40, max_num_batched_tokens=24, max_num_seqs=8)
-    script = shared_prefix_script(spec, 140, seed=99, prefix_lens=(4, 70))
-    for i, r in enumerate(script.requests):
-        r.step = i * 8
-        if i % 7 == 0:
-            r.salt = "s"
-        if i % 11 == 0:
-            r.lora = 1 + i % 2
-    script.aborts = [(i * 40, i * 3) for i in range(20)]
-    script.resets = list(range(0, 1200, 97))
+    script = soak_script(spec, seed=99)
     stock, ours = both(model_dir, script)
     assert len(stock) > 1000
     assert_same(stock, ours)

@@ -50,14 +50,13 @@ struct SetHit {
 /// every limit below; vLLM would fail on an index past the request's hashes, here the
 /// search stops there).
 fn find_for_kind(
+    search: &Search<'_>,
     kind: AttentionKind,
-    pool: &BlockPool,
-    hashes: &[BlockHash],
     max_length: usize,
     groups: &[usize],
-    block_size: usize,
     drop_eagle: bool,
 ) -> SetHit {
+    let Search { pool, hashes, block_size } = *search;
     let max_blocks = (max_length / block_size).min(hashes.len());
     let searched = hashes.get(..max_blocks).unwrap_or_default();
     let mut blocks = vec![Vec::new(); groups.len()];
@@ -150,43 +149,41 @@ pub(crate) fn lookup_sets(config: &EngineConfig, drop: &[bool]) -> Vec<LookupSet
         .collect()
 }
 
-/// The longest prefix of `hashes` (at most `max_length` tokens) every group can serve from
-/// the cache (vLLM's unitary and hybrid coordinators).
+/// What a hit search reads: the pool, the request's leading hashes (see [`find_for_kind`]),
+/// and the block size every group shares.
+#[derive(Clone, Copy)]
+pub(crate) struct Search<'a> {
+    pub pool: &'a BlockPool,
+    pub hashes: &'a [BlockHash],
+    pub block_size: usize,
+}
+
+/// The longest prefix of the request's hashes (at most `max_length` tokens) every group can
+/// serve from the cache (vLLM's unitary and hybrid coordinators).
 pub(crate) fn find_longest_cache_hit(
+    search: &Search<'_>,
     sets: &[LookupSet],
     num_groups: usize,
-    block_size: usize,
-    pool: &BlockPool,
-    hashes: &[BlockHash],
     max_length: usize,
 ) -> CacheHit {
     match sets {
         [only] if num_groups == 1 => {
-            let hit = find_for_kind(
-                only.kind,
-                pool,
-                hashes,
-                max_length,
-                &only.groups,
-                block_size,
-                only.drop_eagle,
-            );
+            let hit = find_for_kind(search, only.kind, max_length, &only.groups, only.drop_eagle);
             CacheHit { blocks: hit.blocks, num_tokens: hit.num_tokens, num_uncached_common: 0 }
         }
-        _ => hybrid_hit(sets, num_groups, block_size, pool, hashes, max_length),
+        _ => hybrid_hit(search, sets, num_groups, max_length),
     }
 }
 
 /// vLLM's hybrid coordinator: every lookup set either accepts the candidate length or
 /// shortens it, and a shortening restarts the round, until the length holds for all.
 fn hybrid_hit(
+    search: &Search<'_>,
     sets: &[LookupSet],
     num_groups: usize,
-    block_size: usize,
-    pool: &BlockPool,
-    hashes: &[BlockHash],
     max_length: usize,
 ) -> CacheHit {
+    let block_size = search.block_size;
     // Per set: its last hit (blocks per member) and length, once looked up.
     let mut hits: Vec<Option<SetHit>> = sets.iter().map(|_| None).collect();
     let simple = sets.len() == 2 && sets.first().is_some_and(|s| s.kind.is_full());
@@ -204,12 +201,11 @@ fn hybrid_hit(
             }
             let drop_eagle = set.drop_eagle && !eagle_verified.get(index).copied().unwrap_or(true);
             let limit = if drop_eagle {
-                (current + block_size).min(hashes.len() * block_size)
+                (current + block_size).min(search.hashes.len() * block_size)
             } else {
                 current
             };
-            let hit =
-                find_for_kind(set.kind, pool, hashes, limit, &set.groups, block_size, drop_eagle);
+            let hit = find_for_kind(search, set.kind, limit, &set.groups, drop_eagle);
             if drop_eagle {
                 if let Some(v) = eagle_verified.get_mut(index) {
                     *v = true;

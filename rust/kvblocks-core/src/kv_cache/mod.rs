@@ -158,10 +158,9 @@ impl KvCacheEngine {
         let needed = hashes.len().min(max_length / self.config.block_size() + 1);
         let prefix: Vec<BlockHash> =
             (0..needed).map(|i| hashes.get(i)).collect::<CoreResult<_>>()?;
-        let (num_groups, block_size) = (self.num_groups(), self.config.block_size());
-        Ok(hit::find_longest_cache_hit(
-            &self.sets, num_groups, block_size, &self.pool, &prefix, max_length,
-        ))
+        let block_size = self.config.block_size();
+        let search = hit::Search { pool: &self.pool, hashes: &prefix, block_size };
+        Ok(hit::find_longest_cache_hit(&search, &self.sets, self.num_groups(), max_length))
     }
 
     /// The hits must have the shape a lookup gives: one list per group, cached blocks or
