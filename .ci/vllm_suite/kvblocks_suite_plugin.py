@@ -94,6 +94,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Any:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     entry = _record(report.nodeid)
+    entry["seconds"] = round(entry.get("seconds", 0.0) + report.duration, 4)
     if report.when == "call" or report.outcome != "passed":
         entry["outcome"] = _outcome(report, entry["outcome"])
     if report.outcome != "passed" and "message" not in entry:

@@ -13,8 +13,10 @@ vLLM's package), then checks that
   with a reason, and every listed test still differs.
 
 ``--write-expected`` rewrites the list (reasons kept, new entries without one, to be written
-by hand). Arguments after ``--`` go to both pytest runs (e.g. ``-- -k prefix``); with them,
-listed tests that did not run are not called stale.
+by hand). ``--probe`` reruns only the listed tests on kvblocks' manager with the vLLM internals
+they read answered from kvblocks' pool (probe_internals.py), to tell internals reads from real
+differences. Arguments after ``--`` go to both pytest runs (e.g. ``-- -k prefix``); with them,
+or with test files named, listed tests that did not run are not called stale.
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ def print_schedulers(report: dict[str, Any]) -> int:
     on_kvblocks = int(sum(t["kvblocks"] for t in tests))
     on_vllm = sum(t["vllm"] for t in tests)
     passed_on_kvblocks = sum(1 for t in tests if t["kvblocks"] and t["outcome"] in compare.OK)
-    print(f"schedulers built: {on_kvblocks + on_vllm}, on kvblocks' manager: {on_kvblocks}, ")
+    print(f"schedulers built: {on_kvblocks + on_vllm}")
+    print(f"  on kvblocks' manager: {on_kvblocks}")
     print(f"  on vLLM's manager (kvblocks fell back): {on_vllm}")
     print(f"tests that passed with a scheduler on kvblocks' manager: {passed_on_kvblocks}")
     print("fallbacks to vLLM's code (count, part: reason; tests):")
