@@ -71,21 +71,19 @@ pub(super) fn num_blocks_to_allocate(
     new + evictable
 }
 
-/// Adopts prefix hits at a request's first allocation (vLLM's `add_local_computed_blocks`):
-/// blocks already out of the window become null, the rest are touched.
+/// Adopts prefix hits at a request's first allocation (vLLM's `add_local_computed_blocks`;
+/// hits exist only with caching on): blocks already out of the window become null, the rest
+/// are touched.
 pub(super) fn add_computed_blocks(
     spec: &GroupSpec,
     pool: &mut BlockPool,
     held: &mut GroupBlocks,
     hits: &[u32],
     num_computed: usize,
-    enable_caching: bool,
 ) {
     let skipped = num_skipped_blocks(spec, num_computed);
     let kept = hits.get(skipped..).unwrap_or_default();
-    if enable_caching {
-        pool.touch(kept);
-    }
+    pool.touch(kept);
     held.blocks.resize(held.blocks.len() + skipped, NULL_BLOCK);
     held.blocks.extend_from_slice(kept);
     held.num_cached = Some(held.blocks.len());

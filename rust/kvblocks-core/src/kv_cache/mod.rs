@@ -141,10 +141,6 @@ impl KvCacheEngine {
         self.config.groups.len()
     }
 
-    pub fn new_request(&self) -> RequestBlocks {
-        RequestBlocks::new(self.num_groups())
-    }
-
     /// vLLM's `get_computed_blocks` search: the cached prefix every group can serve, at most
     /// `max_length` tokens long. Takes no references.
     pub fn find_longest_cache_hit(
@@ -303,7 +299,7 @@ impl KvCacheEngine {
             // before any group takes new blocks, so none can evict another's hit.
             for (g, (spec, blocks)) in self.config.groups.iter().zip(&mut held.groups).enumerate() {
                 let group_hits = hits.get(g).copied().unwrap_or_default();
-                group::add_computed_blocks(spec, &mut self.pool, blocks, group_hits, local, true);
+                group::add_computed_blocks(spec, &mut self.pool, blocks, group_hits, local);
             }
         }
         before_new_blocks(&mut self.pool, held);
