@@ -10,6 +10,15 @@ them (``InputProcessor.process_inputs`` -> ``EngineCore.preprocess_add_request``
 and statistic must be the same with kvblocks as with vLLM alone. The model has one
 full-attention layer, or (layout ``gpt-oss``) a full-attention and a sliding-window layer,
 which vLLM's planner puts in two KV-cache groups.
+
+With speculative decoding (``KVBLOCKS_TEST_SPECULATION``: ``ngram``, or ``eagle`` with a tiny
+offline draft config and vLLM's default lookahead block hashes) the fake executor does what
+vLLM's model runner does for it: it verifies the step's scheduled drafts (a fixed
+pseudo-random run of them is right, the bench driver's :class:`Drafter`), returns the accepted
+ones and one bonus token, proposes the next drafts for the batch and hands them over when
+``EngineCore.post_step`` asks (``take_draft_token_ids``). EAGLE's draft layer is in the
+executor's KV-cache specs (``is_draft``), so vLLM's planner flags its group
+(``is_eagle_group``) as for a real EAGLE head.
 """
 
 from __future__ import annotations
@@ -26,10 +35,18 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.inputs.engine import tokens_input
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.executor import Executor
 from vllm.v1.kv_cache_interface import (
@@ -38,9 +55,17 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
-from kvblocks.vllm.bench_driver import VOCAB_SIZE, model_output, sampled_token, write_model_dir
+from kvblocks.vllm.bench_driver import (
+    VOCAB_SIZE,
+    Drafter,
+    Speculation,
+    model_output,
+    sampled_token,
+    write_model_dir,
+)
+from kvblocks.vllm.bench_driver.speculative import speculative_config
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # small enough that the workload below preempts
@@ -60,6 +85,7 @@ PREFIX_CACHE_FIELDS = (
     "preempted_queries",
     "preempted_hits",
 )
+NUM_DRAFTS = 3  # num_speculative_tokens
 
 
 def _done(value: Any) -> Future[Any]:
@@ -71,7 +97,8 @@ def _done(value: Any) -> Future[Any]:
 class FakeExecutor(Executor):
     """An executor without workers: the layout's layers, no-op KV-cache set-up, and a
     model that samples one token for every request whose prefill is done this step (known
-    from the scheduler output alone, as a model runner knows it). It keeps every scheduler
+    from the scheduler output alone, as a model runner knows it), with speculative decoding
+    also the drafts it accepts, and then proposes the next ones. It keeps every scheduler
     output it is given, as plain values."""
 
     def _init_executor(self) -> None:
@@ -79,6 +106,10 @@ class FakeExecutor(Executor):
         # request id -> [prompt tokens, tokens sampled so far]
         self._lengths: dict[str, list[int]] = {}
         self._pending: ModelRunnerOutput | None = None
+        config = self.speculative_config
+        self.drafter = None
+        if config is not None:  # synchronous scheduling: drafts go to the engine core
+            self.drafter = Drafter(NUM_DRAFTS, every_step=config.use_eagle(), in_worker=False)
 
     def collective_rpc(
         self,
@@ -109,6 +140,9 @@ class FakeExecutor(Executor):
             specs[LAYER.format(1)] = SlidingWindowSpec(
                 **common, dtype=torch.float32, sliding_window=WINDOW
             )
+        if self.speculative_config is not None and self.speculative_config.use_eagle():
+            # The EAGLE head's attention layer, numbered after the target's (2) layers.
+            specs[LAYER.format(2)] = FullAttentionSpec(**common, dtype=torch.float32, is_draft=True)
         return [specs]
 
     def get_supported_kv_cache_layouts(self) -> list[list[str]]:
@@ -143,9 +177,18 @@ class FakeExecutor(Executor):
             length = self._lengths[req_id]
             if computed[req_id] + out.num_scheduled_tokens[req_id] < sum(length):
                 sampled.append([])  # a prefill chunk: nothing sampled
-            else:
-                sampled.append([sampled_token(req_id, length[1])])
-                length[1] += 1
+                continue
+            tokens = [sampled_token(req_id, length[1])]
+            if self.drafter is not None:  # the rejection sampler: right drafts, then a bonus
+                scheduled = out.scheduled_spec_decode_tokens.get(req_id, [])
+                for draft in self.drafter.to_verify(req_id, scheduled):
+                    if draft != tokens[-1]:
+                        break
+                    tokens.append(sampled_token(req_id, length[1] + len(tokens)))
+            length[1] += len(tokens)
+            sampled.append(tokens)
+        if self.drafter is not None and req_ids:
+            self._propose(out, req_ids, sampled)
         for req_id in out.finished_req_ids:
             self._lengths.pop(req_id, None)
         result: ModelRunnerOutput | None = None
@@ -160,6 +203,23 @@ class FakeExecutor(Executor):
     ) -> Any:
         result, self._pending = self._pending, None
         return _done(result) if non_block else result
+
+    def _propose(self, out: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """The drafts after a step, for every request of the batch, from its number of
+        sampled tokens (``None`` where it sampled nothing: n-gram proposes none, EAGLE's
+        are dropped by the scheduler)."""
+        assert self.drafter is not None
+        # Proposing k drafts every step is right only without vLLM's dynamic draft length
+        # and without draft skipping (which only its V2 model runner does; on the CPU
+        # platform vLLM picks V1).
+        assert out.num_spec_tokens_to_schedule == NUM_DRAFTS
+        assert not out.skip_drafts
+        counts = [self._lengths[r][1] if s else None for r, s in zip(req_ids, sampled, strict=True)]
+        self.drafter.propose(dict(zip(req_ids, counts, strict=True)))
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The batch's drafts, which ``EngineCore.post_step`` hands the scheduler."""
+        return None if self.drafter is None else self.drafter.take_draft_token_ids()
 
 
 def snapshot(out: SchedulerOutput) -> dict[str, Any]:
@@ -185,7 +245,14 @@ def snapshot(out: SchedulerOutput) -> dict[str, Any]:
         "finished": sorted(out.finished_req_ids),
         "preempted": sorted(out.preempted_req_ids or ()),
         "num_common_prefix_blocks": list(out.num_common_prefix_blocks),
+        "spec_decode_tokens": sorted(
+            [r, list(t)] for r, t in out.scheduled_spec_decode_tokens.items()
+        ),
     }
+
+
+def as_dict(value: Any) -> dict[str, Any] | None:
+    return None if value is None else asdict(value)
 
 
 def workload(seed: int = 3) -> list[tuple[int, str, list[int], int]]:
@@ -217,8 +284,21 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         seed=0,
         max_model_len=MAX_MODEL_LEN,
     )
+    parallel_config = ParallelConfig()
+    method = os.environ.get("KVBLOCKS_TEST_SPECULATION")
+    speculation = None
+    if method:
+        speculation = speculative_config(
+            Speculation(method, NUM_DRAFTS), model_config, parallel_config
+        )
     vllm_config = VllmConfig(
         model_config=model_config,
+        parallel_config=parallel_config,
+        speculative_config=speculation,
+        # speculating: each request's accepted and proposed drafts per step, in its final output
+        observability_config=ObservabilityConfig(
+            per_request_spec_decode_metrics="detailed" if method else "none"
+        ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
             max_num_batched_tokens=256,
@@ -236,6 +316,8 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     engine = EngineCore(vllm_config, executor_class=FakeExecutor, log_stats=True)
     executor = engine.model_executor
     assert isinstance(executor, FakeExecutor)
+    scheduler = engine.scheduler
+    assert isinstance(scheduler, Scheduler)
     input_processor = InputProcessor(vllm_config)
     supported_tasks = engine.get_supported_tasks()
 
@@ -260,14 +342,14 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
             request, wave = engine.preprocess_add_request(core_request)
             engine.add_request(request, wave)
             requests.append(request)
-        if not pending and not engine.scheduler.has_requests():
+        if not pending and not scheduler.has_requests():
             break
         engine_outputs, executed = engine.step()
         engine.post_step(executed)
         step_outputs = []
         for client, eco in sorted(engine_outputs.items()):
             for o in eco.outputs:
-                prefill = None if o.prefill_stats is None else asdict(o.prefill_stats)
+                prefill = as_dict(o.prefill_stats)
                 step_outputs.append(
                     {
                         "client": client,
@@ -276,6 +358,7 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
                         "finish_reason": str(o.finish_reason),
                         "stop_reason": o.stop_reason,
                         "prefill_stats": prefill,
+                        "spec_decode_metrics": as_dict(o.spec_decode_metrics),
                     }
                 )
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -293,6 +376,7 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
                         "skipped_waiting": s.num_skipped_waiting_reqs,
                         "kv_cache_usage": round(s.kv_cache_usage, 12),
                         "prefix_cache": prefix_cache,
+                        "spec_decoding": as_dict(s.spec_decoding_stats),
                     }
                 )
                 for key in totals:
@@ -312,23 +396,29 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     }
     result = {
         "before_engine": before,
-        "scheduler": type(engine.scheduler).__module__ + "." + type(engine.scheduler).__name__,
-        "manager": type(engine.scheduler.kv_cache_manager).__module__,
+        "scheduler": type(scheduler).__module__ + "." + type(scheduler).__name__,
+        "manager": type(scheduler.kv_cache_manager).__module__,
         "hasher": getattr(engine.request_block_hasher, "__module__", None),
         "status": str(kvblocks.vllm.status()),
+        "speculation": {
+            "hash_lookahead": scheduler.num_hash_lookahead_tokens,
+            "block_drop": scheduler.kv_cache_manager.use_eagle,
+            "eagle_groups": [g.is_eagle_group for g in scheduler.kv_cache_config.kv_cache_groups],
+        },
         "run": run,
     }
     engine.shutdown()
     return result
 
 
-def run_engine(mode: str, tmp_path: Path, layout: str) -> subprocess.Popen[str]:
+def run_engine(mode: str, tmp_path: Path, layout: str, speculation: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "KVBLOCKS_VLLM")}
     env.update(
         KVBLOCKS_VLLM=mode,
         VLLM_TARGET_DEVICE="cpu",
         PYTHONHASHSEED="0",  # one NONE_HASH for both runs: their block hashes compare
         KVBLOCKS_TEST_LAYOUT=layout,
+        KVBLOCKS_TEST_SPECULATION=speculation,
     )
     model_dir = tmp_path / mode
     model_dir.mkdir()
@@ -340,6 +430,29 @@ def run_engine(mode: str, tmp_path: Path, layout: str) -> subprocess.Popen[str]:
         env=env,
         cwd=tmp_path,
     )
+
+
+def check_speculated(run: dict[str, Any], *, eagle: bool) -> None:
+    """The run verified drafts, accepting some and rejecting others, as the scheduler
+    scheduled them: EAGLE k drafts for every decode step (no request nears the length
+    limit), n-gram 0 to k."""
+    scheduled = [len(d) for step in run["scheduler_outputs"] for _, d in step["spec_decode_tokens"]]
+    totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    for stats in run["scheduler_stats"]:
+        for key in totals:
+            totals[key] += (stats["spec_decoding"] or {}).get(key, 0)
+    assert totals["num_drafts"] == len(scheduled) > 0
+    assert totals["num_draft_tokens"] == sum(scheduled)
+    assert 0 < totals["num_accepted_tokens"] < totals["num_draft_tokens"]
+    assert set(scheduled) == ({NUM_DRAFTS} if eagle else set(range(1, NUM_DRAFTS + 1)))
+    # Some steps gave a request more than one token: accepted drafts and the bonus.
+    assert any(len(o["new_token_ids"]) > 1 for step in run["engine_outputs"] for o in step)
+    # Each request's final output sums up its own verify steps.
+    metrics = [o["spec_decode_metrics"] for step in run["engine_outputs"] for o in step]
+    finals = [m for m in metrics if m is not None]
+    assert len(finals) == len(run["tokens"])
+    assert sum(sum(m["per_step_drafted"]) for m in finals) == totals["num_draft_tokens"]
+    assert sum(sum(m["per_step_accepted"]) for m in finals) == totals["num_accepted_tokens"]
 
 
 def first_difference(a: Any, b: Any) -> str:
@@ -357,9 +470,27 @@ def first_difference(a: Any, b: Any) -> str:
     return f": {a!r} != {b!r}"
 
 
-@pytest.mark.parametrize("layout", ["llama", "gpt-oss"])
-def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str) -> None:
-    processes = {mode: run_engine(mode, tmp_path, layout) for mode in ("off", "all")}
+#: What vLLM sets up for each speculation: how many tokens after a block its hash covers, and
+#: the manager's EAGLE block drop (EAGLE's lookahead block hashes, vLLM's default, replace it;
+#: the draft's group is still flagged).
+SPECULATION_SETUP = {
+    "": {"hash_lookahead": 0, "block_drop": False},
+    "ngram": {"hash_lookahead": 0, "block_drop": False},
+    "eagle": {"hash_lookahead": 1, "block_drop": False},
+}
+
+
+@pytest.mark.parametrize(
+    ("layout", "speculation"),
+    [
+        pytest.param("llama", "", id="llama"),
+        pytest.param("gpt-oss", "", id="gpt-oss"),
+        pytest.param("gpt-oss", "ngram", id="gpt-oss-ngram"),
+        pytest.param("llama", "eagle", id="llama-eagle"),
+    ],
+)
+def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculation: str) -> None:
+    processes = {mode: run_engine(mode, tmp_path, layout, speculation) for mode in ("off", "all")}
     results = {}
     for mode, process in processes.items():
         log, _ = process.communicate(timeout=300)
@@ -379,8 +510,13 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str) -> None:
     assert "mode=all" in on["status"]
     groups = "2 groups (full_attention, sliding_window), " if layout == "gpt-oss" else ""
     assert f"kv_cache_manager on {groups}16-token blocks, prefix caching on" in on["status"]
-    assert "hasher on sha256" in on["status"]
+    lookahead = SPECULATION_SETUP[speculation]["hash_lookahead"]
+    hasher = f"hasher on sha256, {lookahead} lookahead tokens" if lookahead else "hasher on sha256"
+    assert on["status"].endswith(hasher)
     assert "fallback" not in on["status"]
+    eagle_groups = [speculation == "eagle"] + ([False] if layout == "gpt-oss" else [])
+    setup = {**SPECULATION_SETUP[speculation], "eagle_groups": eagle_groups}
+    assert off["speculation"] == on["speculation"] == setup
 
     stock, ours = off["run"], on["run"]
     assert stock["num_blocks"] == [POOL[layout]]
@@ -391,6 +527,13 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str) -> None:
     assert stock["prefix_cache_totals"]["hits"] > 0
     assert any(step["preempted"] for step in stock["scheduler_outputs"])
     assert all(stock["block_hashes"].values())
+    max_tokens = {request_id: n for _, request_id, _, n in workload()}
+    for request_id, tokens in stock["tokens"].items():  # drafts never change what is sampled
+        assert tokens == [sampled_token(request_id, i) for i in range(max_tokens[request_id])]
+    if speculation:
+        check_speculated(stock, eagle=speculation == "eagle")
+    else:
+        assert not any(step["spec_decode_tokens"] for step in stock["scheduler_outputs"])
     assert stock == ours, "vLLM alone != with kvblocks at " + first_difference(stock, ours)
 
 
