@@ -138,7 +138,7 @@ pub(super) fn cacheable_mask(
     use_eagle: bool,
     blocks: std::ops::Range<usize>,
     retention: Option<usize>,
-    boundaries: &[usize],
+    boundaries: impl FnOnce() -> Vec<usize>,
 ) -> Option<Vec<bool>> {
     let AttentionKind::SlidingWindow { window, .. } = spec.kind else { return None };
     let b = spec.block_size;
@@ -160,7 +160,7 @@ pub(super) fn cacheable_mask(
         }
     }
     if retention.is_some() {
-        for &boundary in boundaries {
+        for boundary in boundaries() {
             let end = boundary / b + shift;
             let first = end.saturating_sub(need).max(blocks.start);
             let tail = mask.iter_mut().skip(first - blocks.start).take(end.saturating_sub(first));

@@ -49,6 +49,20 @@ impl HashSource for [BlockHash] {
     }
 }
 
+/// The hashes of blocks `first..end` of a request, read before a call changes anything.
+#[derive(Debug, Default)]
+struct Keys {
+    first: usize,
+    end: usize,
+    hashes: Vec<BlockHash>,
+}
+
+impl Keys {
+    fn get(&self, index: usize) -> Option<BlockHash> {
+        index.checked_sub(self.first).and_then(|i| self.hashes.get(i)).copied()
+    }
+}
+
 /// What the engine reads of a request at each call (vLLM's `Request` fields).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RequestState {
@@ -278,8 +292,11 @@ impl KvCacheEngine {
         let slots = main.saturating_add(args.num_lookahead_tokens).min(max_len);
         // Read the hashes this call may register first: a bad one must change nothing.
         let cache_upto = main.min(request.num_tokens);
-        let keys =
-            if args.delay_cache_blocks { Vec::new() } else { self.read_keys(hashes, cache_upto)? };
+        let keys = if args.delay_cache_blocks {
+            Keys::default()
+        } else {
+            self.read_keys(held, hashes, cache_upto)?
+        };
 
         // Blocks out of the window are freed even if the allocation then fails (vLLM frees
         // on the processed-token basis: in-flight steps still read below the boundary).
@@ -344,22 +361,27 @@ impl KvCacheEngine {
         hashes: &(impl HashSource + ?Sized),
     ) -> CoreResult<()> {
         self.registered.clear();
-        let keys = self.read_keys(hashes, num_computed)?;
+        let keys = self.read_keys(held, hashes, num_computed)?;
         self.cache_with_keys(held, request, num_computed, &keys);
         Ok(())
     }
 
-    /// The hashes registering up to `num_tokens` tokens may need (none without caching).
+    /// The hashes registering up to `num_tokens` tokens may need (none without caching):
+    /// from the first block some group has not registered yet, so that a decode step reads
+    /// one hash, not the whole prompt's.
     fn read_keys(
         &self,
+        held: &RequestBlocks,
         hashes: &(impl HashSource + ?Sized),
         num_tokens: usize,
-    ) -> CoreResult<Vec<BlockHash>> {
+    ) -> CoreResult<Keys> {
         if !self.config.enable_caching {
-            return Ok(Vec::new());
+            return Ok(Keys::default());
         }
-        let n = hashes.len().min(num_tokens / self.config.block_size());
-        (0..n).map(|i| hashes.get(i)).collect()
+        let end = hashes.len().min(num_tokens / self.config.block_size());
+        let first = held.groups.iter().map(|g| g.num_cached.unwrap_or(0)).min().unwrap_or(0);
+        let hashes = (first.min(end)..end).map(|i| hashes.get(i)).collect::<CoreResult<_>>()?;
+        Ok(Keys { first, end, hashes })
     }
 
     /// `cache_blocks` once the hashes are read (`keys` holds every hash it may need). A
@@ -370,31 +392,39 @@ impl KvCacheEngine {
         held: &mut RequestBlocks,
         request: &RequestState,
         num_computed: usize,
-        keys: &[BlockHash],
+        keys: &Keys,
     ) {
         let b = self.config.block_size();
-        let replay = self.replay_boundaries(request.num_prompt_tokens);
         let groups = self.config.groups.iter().zip(&self.eagle_aware);
         for (g, ((spec, &eagle), blocks)) in groups.zip(&mut held.groups).enumerate() {
             let num_tokens = self.cacheable_tokens(num_computed, eagle);
             let done = blocks.num_cached.unwrap_or(0);
-            let full = (num_tokens.min(keys.len() * b) / b).min(blocks.blocks.len());
+            let full = (num_tokens.min(keys.end * b) / b).min(blocks.blocks.len());
             if done >= full {
                 continue;
             }
-            let mut boundaries = replay.clone();
-            if request.shared_prefix_boundary > 0 {
-                boundaries.push(request.shared_prefix_boundary);
-                if eagle {
-                    // A sibling diverging right after the junction has no EAGLE peek block.
-                    boundaries.extend(request.shared_prefix_boundary.checked_sub(b));
-                }
-            }
-            let retention = self.config.retention_interval;
-            let mask = group::cacheable_mask(spec, eagle, done..full, retention, &boundaries);
+            let mask = group::cacheable_mask(
+                spec,
+                eagle,
+                done..full,
+                self.config.retention_interval,
+                || {
+                    let mut boundaries = self.replay_boundaries(request.num_prompt_tokens);
+                    if request.shared_prefix_boundary > 0 {
+                        boundaries.push(request.shared_prefix_boundary);
+                        if eagle {
+                            // A sibling diverging right after the junction has no EAGLE peek block.
+                            boundaries.extend(request.shared_prefix_boundary.checked_sub(b));
+                        }
+                    }
+                    boundaries
+                },
+            );
             let mut skipped = Vec::new();
-            let range = blocks.blocks.iter().zip(keys).enumerate().take(full).skip(done);
-            for (index, (&block, &hash)) in range {
+            for index in done..full {
+                let (Some(&block), Some(hash)) = (blocks.blocks.get(index), keys.get(index)) else {
+                    continue;
+                };
                 let masked = mask.as_ref().and_then(|m| m.get(index - done)) == Some(&false);
                 if block == NULL_BLOCK || masked {
                     skipped.push(index);
