@@ -3,11 +3,18 @@ the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
 
 - prompt hashing at request arrival: the request block hasher over 256 prompts of 2,000
   tokens, as ``EngineCore`` calls it when it builds each ``Request``;
-- one decode step's ``allocate_slots`` calls for 256 running requests, without timers;
-- the shared-prefix workload (256 requests, 2,000-token prompts sharing 1,500 tokens, 32
-  output tokens, block size 16, 8,192 blocks): scheduler-side CPU time (request arrival +
-  ``schedule()`` + ``update_from_output()``) and the shares of it spent hashing at arrival and
-  inside the KV-cache manager. Both runs must produce identical scheduler outputs.
+- one decode step's ``allocate_slots`` calls for 256 running requests, without timers, on
+  each KV-cache layout of the driver (``config.LAYOUTS``: llama, gpt-oss, gemma3, llama4,
+  mla);
+- the shared-prefix workload (256 requests, 2,000-token prompts sharing 1,500 tokens, 32 and
+  128 output tokens, block size 16, 8,192 blocks, one full-attention group), then the 32-token
+  workload on each layout with 9,216 blocks per KV-cache group: scheduler-side CPU time
+  (request arrival + ``schedule()`` + ``update_from_output()``) and the shares of it spent
+  hashing at arrival and inside the KV-cache manager. Both runs must produce identical
+  scheduler outputs; on the layouts every request must run to its end without preemption.
+
+An untimed pass (``--benchmark-disable``) runs the layouts other than the one-group cases on
+16 requests (``UNTIMED_LAYOUT_WORKLOAD``).
 
     pytest benches/bench_vllm.py -s --benchmark-columns=median,rounds [--ratios-md FILE]
 """
@@ -23,7 +30,9 @@ import pytest
 pytest.importorskip("vllm", reason='needs vllm (pip install ".[vllm]" in a kvblocks checkout)')
 
 import kvblocks.vllm
+from kvblocks.vllm.bench import describe_layout, pool_blocks
 from kvblocks.vllm.bench_driver import (
+    LAYOUTS,
     FakeModel,
     SchedulerSpec,
     Workload,
@@ -82,25 +91,76 @@ WORKLOADS = {
     "shared prefix, 32 output tokens": Workload(output_len=32),
     "shared prefix, 128 output tokens (decode-heavy)": Workload(output_len=128),
 }
+#: The pool of the one-group scheduler cases above (on it stock vLLM preempts 7 times with 32
+#: output tokens, 43 times with 128; kept, so that these figures compare with earlier runs).
+ONE_GROUP_BLOCKS = 8192
+#: Blocks per KV-cache group in the layout cases below: 93 shared blocks + 256 x 34 own ones
+#: fit, so no request is preempted (the cases assert it). vLLM's groups share one pool: a
+#: layout of n groups gets n times this (``pool_blocks``).
+BLOCKS_PER_GROUP = 9216
+#: The scheduler cases: (workload, KV-cache layout of ``config.LAYOUTS``, blocks per group).
+#: The one-group cases on 8,192 blocks keep their names and set-up; then every layout,
+#: one-group included, runs the 32-token workload with the same room per group.
+SCHEDULER_CASES = [(name, "llama", ONE_GROUP_BLOCKS) for name in WORKLOADS] + [
+    ("shared prefix, 32 output tokens", layout, BLOCKS_PER_GROUP) for layout in LAYOUTS
+]
+# Speculative decoding (n-gram proposals on the one-group layout) joins SCHEDULER_CASES as a
+# case of its own once bench_driver/config.py builds it.
+
+#: What the layout cases run in an untimed pass (``--benchmark-disable``, as CI runs
+#: benches/): the same prompts, fewer requests and output tokens, so that every layout is
+#: still run and checked without multiplying CI time.
+UNTIMED_LAYOUT_WORKLOAD = Workload(num_requests=16, output_len=4)
+
+
+def _is_layout_case(layout: str, blocks_per_group: int) -> bool:
+    return not (layout == "llama" and blocks_per_group == ONE_GROUP_BLOCKS)
+
+
+def _layout_case(case: str, layout: str) -> str:
+    return f"{case}, {layout} layout ({describe_layout(layout)})"
+
+
+def _assert_every_request_finished(snapshots: list[Any], workload: Workload) -> None:
+    """The pool fits the workload: no request was preempted, and each was computed to its
+    last token (its cache hit at admission plus every token scheduled for it)."""
+    computed: dict[str, int] = {}
+    for scheduled, new, _cached, _resumed, _finished, preempted in snapshots:
+        assert not preempted, f"requests preempted: {preempted}; the pool is too small"
+        for req_id, _blocks, hit in new:
+            computed[req_id] = computed.get(req_id, 0) + hit
+        for req_id, tokens in scheduled:
+            computed[req_id] = computed.get(req_id, 0) + tokens
+    last = workload.prompt_len + workload.output_len - 1  # the last sampled token is not fed
+    assert computed == {f"r{i}": last for i in range(workload.num_requests)}
 
 
 @pytest.mark.parametrize("installed", IMPLS, indirect=True)
-@pytest.mark.parametrize("name", list(WORKLOADS))
-def test_scheduler_cpu_time(benchmark: Any, installed: str, name: str) -> None:
+@pytest.mark.parametrize(("name", "layout", "blocks_per_group"), SCHEDULER_CASES)
+def test_scheduler_cpu_time(
+    benchmark: Any, installed: str, name: str, layout: str, blocks_per_group: int
+) -> None:
     model_dir: Path = tiny_model_dir()
     spec = SchedulerSpec(
         block_size=16,
-        num_blocks=8192,
+        num_blocks=pool_blocks(blocks_per_group, layout),
+        layout=layout,
         hash_algo="sha256",
         max_num_seqs=256,
         max_num_batched_tokens=8192,
     )
+    layout_case = _is_layout_case(layout, blocks_per_group)
+    workload = WORKLOADS[name]
+    if layout_case and benchmark.disabled:
+        workload = UNTIMED_LAYOUT_WORKLOAD
     runs: list[Any] = []
 
     def run_once() -> None:
-        runs.append(timed_run(model_dir, spec, WORKLOADS[name]))
+        runs.append(timed_run(model_dir, spec, workload))
 
     case = f"vLLM scheduler, 256 requests, {name}"
+    if layout_case:
+        case = _layout_case(f"{case}, {blocks_per_group:,} blocks per group", layout)
     _label(benchmark, case, installed)
     benchmark.pedantic(run_once, rounds=3, warmup_rounds=0)
     # Compared: the scheduler-side CPU time each run measured, not building the scheduler.
@@ -108,10 +168,12 @@ def test_scheduler_cpu_time(benchmark: Any, installed: str, name: str) -> None:
     timings, snapshots = runs[len(runs) // 2]
     benchmark.extra_info["seconds"] = timings.scheduler
     assert all(s == snapshots for _, s in runs)
-    SNAPSHOTS.setdefault(name, snapshots)
-    assert snapshots == SNAPSHOTS[name], "kvblocks changed vLLM's scheduling decisions"
+    if layout_case:
+        _assert_every_request_finished(snapshots, workload)
+    SNAPSHOTS.setdefault(case, snapshots)
+    assert snapshots == SNAPSHOTS[case], "kvblocks changed vLLM's scheduling decisions"
     # Where the time goes: one more run with a timer on every hasher and manager call.
-    parts, _ = timed_run(model_dir, spec, WORKLOADS[name], instrument=True)
+    parts, _ = timed_run(model_dir, spec, workload, instrument=True)
     shares = {
         "hashing at arrival": parts.hashing / parts.scheduler,
         "KV-cache manager": parts.manager / parts.scheduler,
@@ -127,18 +189,24 @@ def test_scheduler_cpu_time(benchmark: Any, installed: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("installed", IMPLS, indirect=True)
-def test_decode_allocate_slots(benchmark: Any, installed: str) -> None:
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> None:
     """One decode step's ``allocate_slots`` calls (one new token for every running request),
     made directly in a steady decode state, without the per-call timers of the runs above."""
-    # 93 shared blocks + 256 x 33 own ones: every request runs, none is preempted.
+    # 93 shared blocks + 256 x 33 own ones per group: every request runs, none is preempted.
     spec = SchedulerSpec(
-        block_size=16, num_blocks=9216, max_num_seqs=256, max_num_batched_tokens=8192
+        block_size=16,
+        num_blocks=pool_blocks(BLOCKS_PER_GROUP, layout),
+        layout=layout,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
     )
     scheduler = make_scheduler(tiny_model_dir(), spec)
     hasher = block_hasher(spec.hash_algo, spec.block_size)
+    untimed = benchmark.disabled and layout != "llama"
+    prompts = (UNTIMED_LAYOUT_WORKLOAD if untimed else Workload()).prompts()
     requests = [
-        make_request(f"r{i}", prompt, hasher, max_tokens=1000)
-        for i, prompt in enumerate(Workload().prompts())
+        make_request(f"r{i}", prompt, hasher, max_tokens=1000) for i, prompt in enumerate(prompts)
     ]
     for request in requests:
         scheduler.add_request(request)
@@ -147,7 +215,7 @@ def test_decode_allocate_slots(benchmark: Any, installed: str) -> None:
         out = scheduler.schedule()
         scheduler.update_from_output(out, model.execute(scheduler, out))
     running = list(scheduler.running)
-    assert len(running) == len(requests) == 256
+    assert len(running) == len(requests) == len(prompts)
     allocate = scheduler.kv_cache_manager.allocate_slots
 
     def step() -> None:
@@ -155,5 +223,7 @@ def test_decode_allocate_slots(benchmark: Any, installed: str) -> None:
             allocate(request, 1, num_lookahead_tokens=0)
 
     case = "decode step: allocate_slots for 256 running requests"
+    if layout != "llama":  # the one-group case keeps its name
+        case = _layout_case(case, layout)
     _label(benchmark, case, installed)
     benchmark(step)

@@ -305,6 +305,32 @@ def test_numeric_arguments_are_checked_by_argparse(
     assert "negative dimensions" not in err
 
 
+def test_layout_is_one_of_the_named_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--engine", "vllm", "--layout", "gemma2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--layout: invalid choice: 'gemma2'" in err
+    assert "'llama', 'gpt-oss', 'gemma3', 'llama4', 'mla'" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--layout", "gemma3"], "--layout: these options apply to --engine vllm\n"),
+        (
+            ["--engine", "vllm", "--threads", "2", "--warmup", "1"],
+            "--threads, --warmup: these options apply to --engine kvblocks\n",
+        ),
+    ],
+)
+def test_options_of_the_other_engine_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", *argv]) == 2
+    assert capsys.readouterr().err == message
+
+
 def test_edge_values_that_are_allowed() -> None:
     args = cli.parser().parse_args(["bench", "--prefix-len", "0", "--warmup", "0"])
     assert (args.prefix_len, args.warmup) == (0, 0)

@@ -138,6 +138,11 @@ def _clear_bar() -> None:
 
 #: The options only ``--engine kvblocks`` reads.
 _KVBLOCKS_ENGINE_ONLY = ("model", "device", "dtype", "threads", "warmup")
+#: The options only ``--engine vllm`` reads.
+_VLLM_ENGINE_ONLY = ("layout",)
+#: ``--layout``'s choices: the KV-cache layouts of ``kvblocks.vllm.bench_driver.LAYOUTS``
+#: (named here so that the parser needs no vLLM; the vLLM tier checks that they agree).
+VLLM_LAYOUTS = ("llama", "gpt-oss", "gemma3", "llama4", "mla")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -147,13 +152,13 @@ def bench(args: argparse.Namespace) -> int:
         except ModuleNotFoundError:
             print(f"--plot needs matplotlib: {install_hint('plot')}", file=sys.stderr)
             return 2
-    if args.engine == "vllm":
-        given = [f"--{name}" for name in _KVBLOCKS_ENGINE_ONLY if getattr(args, name) is not None]
-        if given:
-            print(f"{', '.join(given)}: these options apply to --engine kvblocks", file=sys.stderr)
-            return 2
-        return bench_vllm(args)
-    return bench_engine(args)
+    other = "kvblocks" if args.engine == "vllm" else "vllm"
+    names = _KVBLOCKS_ENGINE_ONLY if other == "kvblocks" else _VLLM_ENGINE_ONLY
+    given = [f"--{name}" for name in names if getattr(args, name) is not None]
+    if given:
+        print(f"{', '.join(given)}: these options apply to --engine {other}", file=sys.stderr)
+        return 2
+    return bench_vllm(args) if args.engine == "vllm" else bench_engine(args)
 
 
 @contextmanager
@@ -272,7 +277,13 @@ def _print_logs(lines: list[str], heading: str) -> None:
 def bench_vllm(args: argparse.Namespace) -> int:
     """Stock vLLM 0.33 against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU)."""
     _engine_defaults(
-        args, num_requests=256, prefix_len=1500, suffix_len=500, hash_algo="sha256", rounds=3
+        args,
+        num_requests=256,
+        prefix_len=1500,
+        suffix_len=500,
+        hash_algo="sha256",
+        rounds=3,
+        layout="llama",
     )
     from kvblocks.vllm import status
     from kvblocks.vllm.bench_logs import held_back, summary
@@ -287,7 +298,16 @@ def bench_vllm(args: argparse.Namespace) -> int:
         try:
             import vllm  # noqa: F401
 
-            from kvblocks.vllm.bench import IMPLS, SchedulerSpec, Workload, compare, prepare
+            from kvblocks.vllm.bench import (
+                IMPLS,
+                SchedulerSpec,
+                Workload,
+                compare,
+                describe_layout,
+                pool_blocks,
+                prepare,
+            )
+            from kvblocks.vllm.bench_driver import layout_groups
         except ModuleNotFoundError as e:
             print(vllm_missing_message(e), file=sys.stderr)
             return 2
@@ -297,9 +317,11 @@ def bench_vllm(args: argparse.Namespace) -> int:
             shared_len=args.prefix_len,
             output_len=args.output_len,
         )
+        num_groups = len(layout_groups(args.layout))
         spec = SchedulerSpec(
             block_size=args.block_size,
-            num_blocks=args.num_blocks,
+            num_blocks=pool_blocks(args.num_blocks, args.layout),
+            layout=args.layout,
             hash_algo=args.hash_algo,
             max_num_seqs=args.max_num_seqs or args.num_requests,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -321,9 +343,11 @@ def bench_vllm(args: argparse.Namespace) -> int:
     print(
         f"\nkvblocks {kvblocks.__version__} in vLLM {status().vllm_version}: {args.num_requests} "
         f"requests, {workload.prompt_len}-token prompts sharing {workload.shared_len}, "
-        f"{args.output_len} output tokens, block size {args.block_size}, {args.num_blocks} "
-        f"blocks, {args.hash_algo}; vLLM's V1 scheduler with a fake model on the CPU, median "
-        f"of {args.rounds} runs\n"
+        f"{args.output_len} output tokens, block size {args.block_size}, {args.hash_algo}; "
+        f"vLLM's V1 scheduler with a fake model on the CPU, median of {args.rounds} runs\n"
+        f"KV-cache layout {args.layout}: {num_groups} group{'s' if num_groups > 1 else ''} "
+        f"({describe_layout(args.layout)}), {spec.num_blocks} blocks "
+        f"({args.num_blocks} per group)\n"
     )
     header = (
         f"{'vLLM':<16} {'scheduler CPU':>13} {'steps':>6} {'hashing at arrival':>19} "
@@ -469,7 +493,18 @@ def parser() -> argparse.ArgumentParser:
         "--max-num-seqs", type=positive_int, help="default 32 (kvblocks), all requests (vllm)"
     )
     e.add_argument(
-        "--num-blocks", type=positive_int, default=8192, help="KV-cache blocks (vllm engine)"
+        "--num-blocks",
+        type=positive_int,
+        default=8192,
+        help="KV-cache blocks per KV-cache group (vllm engine; the groups share one pool of "
+        "this many times the number of groups)",
+    )
+    e.add_argument(
+        "--layout",
+        choices=VLLM_LAYOUTS,
+        help="KV-cache layout (vllm engine): llama (one full-attention group, the default), "
+        "gpt-oss (full + 128-token sliding window), gemma3 (5 sliding-window 1024 : 1 full), "
+        "llama4 (chunked local 8192 + full), mla (one MLA group)",
     )
     e.add_argument(
         "--max-num-batched-tokens",

@@ -14,7 +14,7 @@ from vllm.v1.core import kv_cache_utils
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import VOCAB_SIZE, SchedulerSpec, block_hasher
+from kvblocks.vllm.bench_driver import LAYOUTS, VOCAB_SIZE, SchedulerSpec, block_hasher
 from tests.vllm_tier.harness import (
     HASHER_MODULES,
     assert_same,
@@ -182,8 +182,41 @@ def test_kvblocks_bench_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(repeated) == 2, err  # once at start-up, once after the bar with its count
     assert repeated[1].endswith(" times)"), repeated
     assert "INFO [vllm.kvblocks] kvblocks: installed into vLLM" in err
+    assert "KV-cache layout llama: 1 group (full attention), 256 blocks (256 per group)" in out
     assert "stock" in out
     assert "with kvblocks" in out
     assert "scheduler outputs: identical in every run" in out
     assert "allocate_slots" in out
     assert kvblocks.vllm.status().mode == "off"  # the comparison leaves vLLM as it was
+
+
+def test_cli_layouts_are_the_drivers() -> None:
+    """``kvblocks bench --layout`` offers exactly the driver's layouts, in its order."""
+    from kvblocks.cli import VLLM_LAYOUTS
+
+    assert tuple(LAYOUTS) == VLLM_LAYOUTS
+
+
+@pytest.mark.parametrize(
+    ("layout", "groups"),
+    [
+        ("gpt-oss", "2 groups (full attention + sliding window 128), 256 blocks"),
+        ("gemma3", "6 groups (5 x sliding window 1024 + full attention), 768 blocks"),
+    ],
+)
+def test_kvblocks_bench_engine_vllm_layout(
+    capsys: pytest.CaptureFixture[str], layout: str, groups: str
+) -> None:
+    """A tiny run on a layout of several groups: the header names the layout, its groups
+    and the pool (128 blocks per group); kvblocks' manager ran and matched vLLM's. The
+    200-token requests outgrow gpt-oss's 128-token window."""
+    from kvblocks.cli import main
+
+    _state.fallbacks.clear()
+    argv = ["bench", "--engine", "vllm", "--layout", layout, "--num-requests", "8"]
+    argv += ["--prefix-len", "160", "--suffix-len", "40", "--output-len", "4", "--rounds", "1"]
+    assert main([*argv, "--num-blocks", "128"]) == 0
+    out = capsys.readouterr().out
+    assert f"KV-cache layout {layout}: {groups} (128 per group)" in out
+    assert "scheduler outputs: identical in every run" in out
+    assert not any(part == "kv_cache_manager" for part, _ in _state.fallbacks)

@@ -8,6 +8,7 @@ of every run must be identical, or the comparison reports it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,14 +18,50 @@ from kvblocks.vllm.bench_driver import (
     SchedulerSpec,
     Timings,
     Workload,
+    layout_groups,
     make_vllm_config,
     timed_run,
     tiny_model_dir,
 )
 
-__all__ = ["IMPLS", "Comparison", "SchedulerSpec", "Side", "Workload", "compare", "prepare"]
+__all__ = [
+    "IMPLS",
+    "Comparison",
+    "SchedulerSpec",
+    "Side",
+    "Workload",
+    "compare",
+    "describe_layout",
+    "pool_blocks",
+    "prepare",
+]
 
 IMPLS = ("vllm", "kvblocks")
+
+_KINDS = {
+    "full": "full attention",
+    "mla": "MLA",
+    "sliding_window": "sliding window {}",
+    "chunked_local": "chunked local attention {}",
+}
+
+
+def describe_layout(layout: str | list[tuple[str, int]]) -> str:
+    """A layout's KV-cache groups in words, runs of equal groups counted, e.g. Gemma 3's
+    "5 x sliding window 1024 + full attention"."""
+    parts = []
+    for (kind, size), run in itertools.groupby(layout_groups(layout)):
+        count = len(list(run))
+        name = _KINDS[kind].format(size)
+        parts.append(f"{count} x {name}" if count > 1 else name)
+    return " + ".join(parts)
+
+
+def pool_blocks(blocks_per_group: int, layout: str | list[tuple[str, int]]) -> int:
+    """The pool for ``layout`` that gives each KV-cache group ``blocks_per_group`` blocks:
+    vLLM's groups draw on one shared pool, so a layout of n groups needs n times the
+    one-group pool for a workload to fit as it does with one group."""
+    return blocks_per_group * len(layout_groups(layout))
 
 
 def prepare(spec: SchedulerSpec) -> None:
