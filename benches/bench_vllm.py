@@ -125,7 +125,7 @@ def _assert_every_request_finished(snapshots: list[Any], workload: Workload) -> 
     """The pool fits the workload: no request was preempted, and each was computed to its
     last token (its cache hit at admission plus every token scheduled for it)."""
     computed: dict[str, int] = {}
-    for scheduled, new, _cached, _resumed, _finished, preempted in snapshots:
+    for scheduled, new, _cached, _resumed, _finished, preempted, *_drafts in snapshots:
         assert not preempted, f"requests preempted: {preempted}; the pool is too small"
         for req_id, _blocks, hit in new:
             computed[req_id] = computed.get(req_id, 0) + hit

@@ -20,6 +20,10 @@ impl Hasher for DigestHasher {
         self.0
     }
 
+    fn write_u64(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(23) ^ word).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
     fn write(&mut self, bytes: &[u8]) {
         for chunk in bytes.chunks(8) {
             let mut word = [0u8; 8];
@@ -32,10 +36,20 @@ impl Hasher for DigestHasher {
 
 /// A prefix-cache key: a block's hash and its KV-cache group (vLLM's `BlockHashWithGroupId`;
 /// the same tokens cached for two groups are two entries).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct CacheKey {
     pub hash: BlockHash,
     pub group: u32,
+}
+
+impl std::hash::Hash for CacheKey {
+    /// A digest's bytes are already uniform, so its first eight (with the group mixed in) make
+    /// a good table hash; equality still compares the whole key.
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        let mut head = [0u8; 8];
+        head.iter_mut().zip(self.hash.as_bytes()).for_each(|(h, b)| *h = *b);
+        state.write_u64(u64::from_le_bytes(head) ^ u64::from(self.group).rotate_left(32));
+    }
 }
 
 impl CacheKey {

@@ -8,8 +8,8 @@ use crate::errors::GlueResult;
 use crate::hasher::hash_bytes;
 use crate::sync::{lock, lock_attached};
 use kvblocks_core::{
-    AllocateArgs, AttentionKind, BlockHash, CacheHit, CoreError, CoreResult, EngineConfig,
-    GroupSpec, HashSource, KvCacheManager, ManagerEvent, RequestState,
+    AllocateArgs, AttentionKind, BlockHash, CoreError, CoreResult, EngineConfig, GroupSpec,
+    HashSource, KvCacheManager, ManagerEvent, RequestState,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
@@ -169,6 +169,9 @@ pub struct PyKvCacheCore {
     empty: Py<PyKvCacheBlockIds>,
     /// The request statuses the watermark applies to (vLLM's WAITING and PREEMPTED).
     waiting_statuses: Vec<Py<PyAny>>,
+    /// Some group frees blocks out of a window or chunk: only then does the engine read the
+    /// request's prompt length, in-flight tokens and shared-prefix boundary.
+    windowed: bool,
 }
 
 impl PyKvCacheCore {
@@ -181,28 +184,37 @@ impl PyKvCacheCore {
         }
     }
 
-    /// The fields of vLLM's `Request` the engine reads.
+    /// The fields of vLLM's `Request` the engine reads (the last three only where a group
+    /// has a window or chunk: full attention never uses them, and this runs on every call).
     fn request_state(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<RequestState> {
         let status = request.getattr(intern!(py, "status"))?;
         let field =
             |name: &Bound<'_, PyString>| -> PyResult<usize> { request.getattr(name)?.extract() };
-        Ok(RequestState {
+        let mut state = RequestState {
             num_tokens: field(intern!(py, "num_tokens"))?,
             num_computed_tokens: field(intern!(py, "num_computed_tokens"))?,
-            num_prompt_tokens: field(intern!(py, "num_prompt_tokens"))?,
-            num_in_flight_tokens: field(intern!(py, "num_in_flight_tokens"))?,
-            shared_prefix_boundary: field(intern!(py, "shared_prefix_boundary"))?,
             is_waiting: self.waiting_statuses.iter().any(|s| status.is(s.bind(py))),
-        })
+            ..RequestState::default()
+        };
+        if self.windowed {
+            state.num_prompt_tokens = field(intern!(py, "num_prompt_tokens"))?;
+            state.num_in_flight_tokens = field(intern!(py, "num_in_flight_tokens"))?;
+            state.shared_prefix_boundary = field(intern!(py, "shared_prefix_boundary"))?;
+        }
+        Ok(state)
     }
 
     fn lock(&self) -> PyResult<MutexGuard<'_, KvCacheManager>> {
         lock(&self.inner)
     }
 
-    /// The hits vLLM hands back to `allocate_slots`: what `lookup` returned.
-    fn hits_arg(&self, py: Python<'_>, blocks: Option<&Bound<'_, PyAny>>) -> PyResult<CacheHit> {
-        let num_groups = self.empty.get().groups.len();
+    /// The hits vLLM hands back to `allocate_slots` (what `lookup` returned), or `None` for
+    /// the shared empty result.
+    fn hit_ids<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyKvCacheBlockIds>>> {
         match blocks {
             Some(blocks) if !blocks.is(self.empty.bind(py)) && !blocks.is_none() => {
                 let ids = blocks.cast::<PyKvCacheBlockIds>().map_err(|_| {
@@ -211,9 +223,9 @@ impl PyKvCacheCore {
                         type_name(blocks)
                     ))
                 })?;
-                Ok(CacheHit { blocks: ids.get().groups.clone(), ..CacheHit::default() })
+                Ok(Some(ids.clone()))
             }
-            _ => Ok(CacheHit::empty(num_groups)),
+            _ => Ok(None),
         }
     }
 }
@@ -242,6 +254,7 @@ impl PyKvCacheCore {
         waiting_statuses: Vec<Py<PyAny>>,
     ) -> GlueResult<Self> {
         let num_groups = groups.len();
+        let windowed = groups.iter().any(|g| !g.spec.kind.is_full());
         let config = EngineConfig {
             num_blocks,
             groups: groups.into_iter().map(|g| g.spec).collect(),
@@ -258,6 +271,7 @@ impl PyKvCacheCore {
             inner: Mutex::new(KvCacheManager::new(config)?),
             empty: Py::new(py, PyKvCacheBlockIds { groups: vec![Vec::new(); num_groups] })?,
             waiting_statuses,
+            windowed,
         })
     }
 
@@ -340,7 +354,7 @@ impl PyKvCacheCore {
             )
             .into());
         }
-        let hits = self.hits_arg(py, new_computed_blocks)?;
+        let hit_ids = self.hit_ids(py, new_computed_blocks)?;
         let request_id = request.getattr(intern!(py, "request_id"))?;
         let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
@@ -356,7 +370,10 @@ impl PyKvCacheCore {
             extra_blocks: 0,
         };
         let hashes = hashes_arg(&block_hashes)?;
-        let hits: Vec<&[u32]> = hits.blocks.iter().map(Vec::as_slice).collect();
+        // No hits (the hot path, every decode step): no allocation.
+        let hits: Vec<&[u32]> = hit_ids
+            .as_ref()
+            .map_or_else(Vec::new, |ids| ids.get().groups.iter().map(Vec::as_slice).collect());
         let mut manager = lock_attached(py, &self.inner)?;
         let new = manager.allocate_slots(request_id, &state, &args, &hits, &hashes)?;
         drop(manager);

@@ -89,17 +89,20 @@ pub(super) fn add_computed_blocks(
     held.num_cached = Some(held.blocks.len());
 }
 
-/// New blocks until the request has `num_tokens` slots (vLLM's `allocate_new_blocks`).
+/// New blocks until the request has `num_tokens` slots (vLLM's `allocate_new_blocks`),
+/// appended to its table.
 pub(super) fn allocate_new_blocks(
     spec: &GroupSpec,
     pool: &mut BlockPool,
     held: &mut GroupBlocks,
     num_tokens: usize,
-) -> Vec<u32> {
+) {
     let required = num_tokens.div_ceil(spec.block_size);
-    let new = pool.get_new_blocks(required.saturating_sub(held.blocks.len()));
-    held.blocks.extend_from_slice(&new);
-    new
+    let missing = required.saturating_sub(held.blocks.len());
+    if missing > 0 {
+        let new = pool.get_new_blocks(missing);
+        held.blocks.extend_from_slice(&new);
+    }
 }
 
 /// Frees the blocks no later token reads once `num_processed` tokens are done, replacing

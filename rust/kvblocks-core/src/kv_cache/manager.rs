@@ -83,14 +83,18 @@ impl KvCacheManager {
                 .entry(request_id.to_owned())
                 .or_insert_with(|| RequestBlocks::new(num_groups)),
         };
-        let result = self.engine.allocate_slots(held, request, args, hits, hashes, |_, _| {});
+        let allocated = self.engine.allocate_slots(held, request, args, hits, hashes, |_, _| {});
+        let new = match allocated {
+            Ok(true) => Some(self.engine.new_blocks(held).map(<[u32]>::to_vec).collect()),
+            _ => None,
+        };
         if !held.holds_blocks() && !held.is_tracked() {
             // Nothing allocated for a request vLLM does not track yet: keep no entry.
             self.requests.remove(request_id);
         }
-        let result = result?;
+        allocated?;
         self.drain_events(request_id);
-        Ok(result)
+        Ok(new)
     }
 
     /// vLLM's `cache_blocks`: registers the request's full blocks up to `num_tokens` tokens.

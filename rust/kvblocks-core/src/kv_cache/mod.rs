@@ -113,11 +113,16 @@ pub struct KvCacheEngine {
     sets: Vec<hit::LookupSet>,
     /// Whether any group drops its last hit block for EAGLE.
     any_drop: bool,
+    /// Whether some group frees blocks out of a window or chunk (else nothing is skipped).
+    windowed: bool,
     /// Per group: the group's hits are EAGLE-aware (vLLM's per-manager `use_eagle`).
     eagle_aware: Vec<bool>,
     /// What the last `allocate_slots` or `cache_blocks` registered (for a layer above that
     /// keeps its own record of registered blocks).
     registered: Vec<Registered>,
+    /// Per group, where the blocks the last `allocate_slots` took from the pool start in the
+    /// request's table (they are appended; see [`KvCacheEngine::new_blocks`]).
+    new_from: Vec<usize>,
 }
 
 impl KvCacheEngine {
@@ -136,7 +141,10 @@ impl KvCacheEngine {
             }
         }
         let any_drop = drop.iter().any(|&d| d);
-        Ok(Self { config, pool, sets, any_drop, eagle_aware, registered: Vec::new() })
+        let new_from = vec![0; config.groups.len()];
+        let windowed = config.groups.iter().any(|g| !g.kind.is_full());
+        let registered = Vec::new();
+        Ok(Self { config, pool, sets, any_drop, windowed, eagle_aware, registered, new_from })
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -242,15 +250,18 @@ impl KvCacheEngine {
     /// vLLM's `remove_skipped_blocks` for every group: frees what no later token reads once
     /// `num_processed` tokens are done.
     pub fn remove_skipped_blocks(&mut self, held: &mut RequestBlocks, num_processed: usize) {
+        if !self.windowed {
+            return;
+        }
         for (spec, blocks) in self.config.groups.iter().zip(&mut held.groups) {
             group::remove_skipped_blocks(spec, &mut self.pool, blocks, num_processed);
         }
     }
 
-    /// vLLM's `allocate_slots`. Returns the blocks newly allocated per group, or `None` when
-    /// the pool cannot provide them. A `None` return may still have freed blocks that fell
-    /// out of a sliding window or chunk (vLLM frees those first, whatever the outcome); an
-    /// error changes nothing. `hits` are the prefix hits per group (none: no group has any).
+    /// vLLM's `allocate_slots`: true when it allocated ([`Self::new_blocks`] are the blocks it
+    /// took for each group), false when the pool cannot provide them. A false return may
+    /// still have freed blocks that fell out of a sliding window or chunk (vLLM frees those
+    /// first, whatever the outcome); an error changes nothing. `hits` are the prefix hits per group (none: no group has any).
     /// `before_new_blocks` runs once the allocation is certain, after
     /// the hits are adopted and before new blocks are taken (the embedded manager's
     /// copy-on-write, which takes `args.extra_blocks` blocks).
@@ -262,7 +273,7 @@ impl KvCacheEngine {
         hits: &[&[u32]],
         hashes: &(impl HashSource + ?Sized),
         before_new_blocks: impl FnOnce(&mut BlockPool, &mut RequestBlocks),
-    ) -> CoreResult<Option<Vec<Vec<u32>>>> {
+    ) -> CoreResult<bool> {
         if args.num_new_tokens == 0 && args.num_new_computed_tokens == 0 {
             return Err(invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
@@ -285,7 +296,7 @@ impl KvCacheEngine {
             let whole = request.num_tokens.min(max_len);
             let needed = self.blocks_needed(held, whole, hits, total, true);
             if needed.saturating_add(watermark) > self.pool.num_free_blocks() {
-                return Ok(None);
+                return Ok(false);
             }
         }
         let main = total.saturating_add(args.num_new_tokens);
@@ -308,7 +319,7 @@ impl KvCacheEngine {
         // vLLM's `needed + watermark > free - reserved`, where the right side may be negative.
         let wanted = needed.saturating_add(watermark).saturating_add(args.reserved_blocks);
         if wanted > self.pool.num_free_blocks() {
-            return Ok(None);
+            return Ok(false);
         }
 
         if !no_hits(hits) && !held.is_tracked() {
@@ -320,17 +331,28 @@ impl KvCacheEngine {
             }
         }
         before_new_blocks(&mut self.pool, held);
-        let new = self
-            .config
-            .groups
-            .iter()
-            .zip(&mut held.groups)
-            .map(|(spec, blocks)| group::allocate_new_blocks(spec, &mut self.pool, blocks, slots))
-            .collect();
-        if !args.delay_cache_blocks {
+        let groups = self.config.groups.iter().zip(&mut held.groups).zip(&mut self.new_from);
+        for ((spec, blocks), from) in groups {
+            *from = blocks.blocks.len();
+            group::allocate_new_blocks(spec, &mut self.pool, blocks, slots);
+        }
+        // Most decode steps fill no block: nothing to register.
+        if !args.delay_cache_blocks && keys.end > keys.first {
             self.cache_with_keys(held, request, cache_upto, &keys);
         }
-        Ok(Some(new))
+        Ok(true)
+    }
+
+    /// The blocks the last successful `allocate_slots` took from the pool for `held` (the
+    /// request it allocated for), per group.
+    pub fn new_blocks<'a>(
+        &'a self,
+        held: &'a RequestBlocks,
+    ) -> impl Iterator<Item = &'a [u32]> + 'a {
+        held.groups
+            .iter()
+            .zip(&self.new_from)
+            .map(|(g, &from)| g.blocks.get(from..).unwrap_or_default())
     }
 
     /// The tokens of `num_computed` a group may register (vLLM's coordinator
@@ -362,7 +384,9 @@ impl KvCacheEngine {
     ) -> CoreResult<()> {
         self.registered.clear();
         let keys = self.read_keys(held, hashes, num_computed)?;
-        self.cache_with_keys(held, request, num_computed, &keys);
+        if keys.end > keys.first {
+            self.cache_with_keys(held, request, num_computed, &keys);
+        }
         Ok(())
     }
 
@@ -380,7 +404,10 @@ impl KvCacheEngine {
         }
         let end = hashes.len().min(num_tokens / self.config.block_size());
         let first = held.groups.iter().map(|g| g.num_cached.unwrap_or(0)).min().unwrap_or(0);
-        let hashes = (first.min(end)..end).map(|i| hashes.get(i)).collect::<CoreResult<_>>()?;
+        if first >= end {
+            return Ok(Keys { first, end, hashes: Vec::new() });
+        }
+        let hashes = (first..end).map(|i| hashes.get(i)).collect::<CoreResult<_>>()?;
         Ok(Keys { first, end, hashes })
     }
 

@@ -15,6 +15,9 @@ pub(super) fn report_registered(
     provenance: Option<&mut Provenance>,
     b: usize,
 ) {
+    if engine.last_registered().is_empty() {
+        return;
+    }
     if let Some(provenance) = provenance {
         for registered in engine.last_registered() {
             for index in registered.first..registered.end {

@@ -403,7 +403,7 @@ impl BlockManager {
             cow,
         );
         request.table = table;
-        if new?.is_none() {
+        if !new? {
             return Ok(false);
         }
         let first_admission = !request.running;
