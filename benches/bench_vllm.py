@@ -35,6 +35,7 @@ from kvblocks.vllm.bench_driver import (
     LAYOUTS,
     FakeModel,
     SchedulerSpec,
+    Speculation,
     Workload,
     block_hasher,
     make_request,
@@ -101,11 +102,15 @@ BLOCKS_PER_GROUP = 9216
 #: The scheduler cases: (workload, KV-cache layout of ``config.LAYOUTS``, blocks per group).
 #: The one-group cases on 8,192 blocks keep their names and set-up; then every layout,
 #: one-group included, runs the 32-token workload with the same room per group.
-SCHEDULER_CASES = [(name, "llama", ONE_GROUP_BLOCKS) for name in WORKLOADS] + [
-    ("shared prefix, 32 output tokens", layout, BLOCKS_PER_GROUP) for layout in LAYOUTS
-]
-# Speculative decoding (n-gram proposals on the one-group layout) joins SCHEDULER_CASES as a
-# case of its own once bench_driver/config.py builds it.
+#: Speculative decoding on the one-group layout, 3 draft tokens: n-gram proposals, and EAGLE
+#: with vLLM's default lookahead block hashes (the fake model accepts 75% of drafts).
+SPECULATION = {"n-gram": Speculation("ngram", 3), "EAGLE": Speculation("eagle", 3)}
+#: (workload, layout, blocks per group, speculative method or "").
+SCHEDULER_CASES = (
+    [(name, "llama", ONE_GROUP_BLOCKS, "") for name in WORKLOADS]
+    + [("shared prefix, 32 output tokens", layout, BLOCKS_PER_GROUP, "") for layout in LAYOUTS]
+    + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, m) for m in SPECULATION]
+)
 
 #: What the layout cases run in an untimed pass (``--benchmark-disable``, as CI runs
 #: benches/): the same prompts, fewer requests and output tokens, so that every layout is
@@ -136,9 +141,9 @@ def _assert_every_request_finished(snapshots: list[Any], workload: Workload) -> 
 
 
 @pytest.mark.parametrize("installed", IMPLS, indirect=True)
-@pytest.mark.parametrize(("name", "layout", "blocks_per_group"), SCHEDULER_CASES)
+@pytest.mark.parametrize(("name", "layout", "blocks_per_group", "method"), SCHEDULER_CASES)
 def test_scheduler_cpu_time(
-    benchmark: Any, installed: str, name: str, layout: str, blocks_per_group: int
+    benchmark: Any, installed: str, name: str, layout: str, blocks_per_group: int, method: str
 ) -> None:
     model_dir: Path = tiny_model_dir()
     spec = SchedulerSpec(
@@ -148,6 +153,7 @@ def test_scheduler_cpu_time(
         hash_algo="sha256",
         max_num_seqs=256,
         max_num_batched_tokens=8192,
+        speculative=SPECULATION[method] if method else None,
     )
     layout_case = _is_layout_case(layout, blocks_per_group)
     workload = WORKLOADS[name]
@@ -159,7 +165,9 @@ def test_scheduler_cpu_time(
         runs.append(timed_run(model_dir, spec, workload))
 
     case = f"vLLM scheduler, 256 requests, {name}"
-    if layout_case:
+    if method:
+        case = f"{case}, {method} speculative decoding (k=3), {blocks_per_group:,} blocks"
+    elif layout_case:
         case = _layout_case(f"{case}, {blocks_per_group:,} blocks per group", layout)
     _label(benchmark, case, installed)
     benchmark.pedantic(run_once, rounds=3, warmup_rounds=0)
@@ -168,7 +176,10 @@ def test_scheduler_cpu_time(
     timings, snapshots = runs[len(runs) // 2]
     benchmark.extra_info["seconds"] = timings.scheduler
     assert all(s == snapshots for _, s in runs)
-    if layout_case:
+    if method:  # drafts were scheduled, some accepted: fewer steps than tokens to decode
+        assert any(drafts for *_, drafts in snapshots)
+        assert timings.steps < workload.output_len + 8
+    elif layout_case:
         _assert_every_request_finished(snapshots, workload)
     SNAPSHOTS.setdefault(case, snapshots)
     assert snapshots == SNAPSHOTS[case], "kvblocks changed vLLM's scheduling decisions"

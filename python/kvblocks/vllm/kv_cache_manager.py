@@ -278,6 +278,8 @@ class KVCacheManager:
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
+        if not self.enable_kv_cache_events:
+            return []
         self._collect_events(None)
         events, self._events = self._events, []
         return events

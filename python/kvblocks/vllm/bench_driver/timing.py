@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvblocks.vllm.bench_driver.config import VOCAB_SIZE, SchedulerSpec, make_scheduler
+from kvblocks.vllm.bench_driver.drafts import drafter_for
 from kvblocks.vllm.bench_driver.fake_model import FakeModel, block_hasher, make_request, snapshot
 from kvblocks.workloads import shared_prefix_prompts
 
@@ -120,11 +121,17 @@ def timed_run(
 
     ``instrument`` also times every call of the request block hasher and of the KV-cache
     manager's methods (``hashing``, ``manager``, ``manager_calls``); the timers slow the run
-    down, so compare totals of runs without them."""
+    down, so compare totals of runs without them.
+
+    With speculative decoding (``spec.speculative``) the fake model verifies drafts and
+    proposes new ones, which reach the scheduler as ``EngineCore.post_step`` hands them over
+    (``update_draft_token_ids``, counted in ``update``), and the request block hasher hashes
+    as many lookahead tokens as the configuration says."""
     timings = Timings()
-    hasher = block_hasher(spec.hash_algo, spec.block_size)
-    hasher_slot = [0.0, 0.0]
     scheduler = make_scheduler(model_dir, spec)
+    lookahead = scheduler.vllm_config.num_hash_lookahead_tokens
+    hasher = block_hasher(spec.hash_algo, spec.block_size, lookahead)
+    hasher_slot = [0.0, 0.0]
     if instrument:
         hasher = _timed(hasher, hasher_slot)
         manager = scheduler.kv_cache_manager
@@ -134,7 +141,7 @@ def timed_run(
                 slot = timings.manager_calls.setdefault(name, [0.0, 0.0])
                 setattr(manager, name, _timed(method, slot))
     prompts = workload.prompts()
-    model = FakeModel()
+    model = FakeModel(drafter_for(scheduler))
     clock = time.perf_counter
     start = clock()
     for i, prompt in enumerate(prompts):
@@ -148,6 +155,9 @@ def timed_run(
         out = scheduler.schedule()
         middle = clock()
         scheduler.update_from_output(out, model.execute(scheduler, out))
+        drafts = model.take_draft_token_ids()
+        if drafts is not None and out.total_num_scheduled_tokens:
+            scheduler.update_draft_token_ids(drafts)
         timings.schedule += middle - start
         timings.update += clock() - middle
         timings.steps += 1
