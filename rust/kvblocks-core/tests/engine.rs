@@ -18,6 +18,8 @@ use kvblocks_core::{
 use proptest::prelude::*;
 use std::collections::HashMap;
 
+mod common;
+
 const BLOCK: usize = 4;
 
 #[derive(Debug, Clone)]
@@ -198,21 +200,7 @@ fn check_invariants(m: &KvCacheManager, ids: &[u8]) {
             }
         }
     }
-    let free: Vec<u32> = pool.free_block_ids().collect();
-    let mut seen = free.clone();
-    seen.sort_unstable();
-    seen.dedup();
-    assert_eq!(seen.len(), free.len(), "a block twice in the free queue");
-    for block in 1..pool.num_blocks() as u32 {
-        assert_eq!(pool.ref_cnt(block), held.get(&block).copied().unwrap_or(0), "block {block}");
-    }
-    assert!(free.iter().all(|&b| pool.ref_cnt(b) == 0 && b != 0));
-    let used = (1..pool.num_blocks() as u32).filter(|&b| pool.ref_cnt(b) > 0).count();
-    assert_eq!(free.len() + used, pool.num_blocks() - 1);
-    for (key, blocks) in pool.cached_blocks() {
-        assert!(blocks.iter().all(|&b| pool.key(b) == Some(key)));
-        assert!(!blocks.contains(&0), "the null block is never cached");
-    }
+    common::assert_pool_consistent(pool, &held);
 }
 
 fn apply(m: &mut KvCacheManager, requests: &mut HashMap<u8, Request>, op: &Op) {

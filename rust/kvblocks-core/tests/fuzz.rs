@@ -14,6 +14,8 @@ use proptest::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+mod common;
+
 #[derive(Debug, Clone)]
 enum Op {
     Add {
@@ -116,16 +118,7 @@ fn check_invariants(m: &BlockManager) {
             *held.entry(b).or_default() += 1;
         }
     }
-    let free: Vec<u32> = pool.free_block_ids().collect();
-    for block in 1..pool.num_blocks() as u32 {
-        assert_eq!(pool.ref_cnt(block), held.get(&block).copied().unwrap_or(0), "block {block}");
-    }
-    assert!(free.iter().all(|&b| pool.ref_cnt(b) == 0 && b != 0));
-    let used = (1..pool.num_blocks() as u32).filter(|&b| pool.ref_cnt(b) > 0).count();
-    assert_eq!(free.len() + used, pool.num_blocks() - 1);
-    for (key, blocks) in pool.cached_blocks() {
-        assert!(blocks.iter().all(|&b| pool.key(b) == Some(key)));
-    }
+    common::assert_pool_consistent(pool, &held);
 }
 
 fn name(id: u8) -> String {
