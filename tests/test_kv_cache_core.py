@@ -179,9 +179,14 @@ def test_bad_input_changes_nothing() -> None:
         allocate([h(1), b"short"])
     with pytest.raises(ValueError, match="greater than 0"):
         allocate([], num_new=0)
-    for hits in ([[99]], [[3]], [[1], [1]]):  # out of range, not cached, two groups
+    # out of range, not cached, two groups, the null block in a full-attention group
+    for hits in ([[99]], [[3]], [[1], [1]], [[0]], [[0, 1]]):
         with pytest.raises(ValueError):
             allocate([h(1)], hits=KVCacheBlockIds(hits))
+    with pytest.raises(ValueError, match="only 3 tokens"):  # a hit longer than the request
+        c.allocate_for_request(
+            request("b", [h(1)], 3), 1, 4, new_computed_blocks=KVCacheBlockIds([[1]])
+        )
     with pytest.raises(TypeError, match="get_computed_blocks"):
         allocate([h(1)], hits=[1])
     with pytest.raises(ValueError, match="first allocation"):

@@ -254,7 +254,6 @@ impl PyKvCacheCore {
         waiting_statuses: Vec<Py<PyAny>>,
     ) -> GlueResult<Self> {
         let num_groups = groups.len();
-        let windowed = groups.iter().any(|g| !g.spec.kind.is_full());
         let config = EngineConfig {
             num_blocks,
             groups: groups.into_iter().map(|g| g.spec).collect(),
@@ -267,6 +266,7 @@ impl PyKvCacheCore {
             num_prefill_lookahead,
             retention_interval,
         };
+        let windowed = config.is_windowed();
         Ok(Self {
             inner: Mutex::new(KvCacheManager::new(config)?),
             empty: Py::new(py, PyKvCacheBlockIds { groups: vec![Vec::new(); num_groups] })?,

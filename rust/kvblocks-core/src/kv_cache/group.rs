@@ -2,7 +2,7 @@
 //! (vLLM's `SingleTypeKVCacheManager` and its subclasses for full attention, sliding window
 //! and chunked local attention).
 
-use super::spec::{AttentionKind, GroupSpec};
+use super::spec::GroupSpec;
 use crate::pool::{BlockPool, NULL_BLOCK};
 
 /// A request's blocks in one group.
@@ -143,9 +143,8 @@ pub(super) fn cacheable_mask(
     retention: Option<usize>,
     boundaries: impl FnOnce() -> Vec<usize>,
 ) -> Option<Vec<bool>> {
-    let AttentionKind::SlidingWindow { window, .. } = spec.kind else { return None };
     let b = spec.block_size;
-    let need = (window - 1).div_ceil(b) + usize::from(use_eagle);
+    let need = spec.kind.window_hit_blocks(b, use_eagle)?;
     let shift = usize::from(use_eagle);
     let mut mask = vec![false; blocks.len()];
     let segment = match retention {

@@ -71,10 +71,10 @@ fn find_for_kind(
                 push(&mut blocks, found);
             }
         }
-        AttentionKind::SlidingWindow { window, .. } => {
+        AttentionKind::SlidingWindow { .. } => {
             // Only the blocks the last token's window reads must be cached: search from the
             // right for enough contiguous hits; everything before them is null.
-            let needed = (window - 1).div_ceil(block_size) + usize::from(drop_eagle);
+            let needed = kind.window_hit_blocks(block_size, drop_eagle).unwrap_or(0);
             let mut run: Vec<Vec<u32>> = Vec::new();
             let mut found = None;
             for (i, hash) in searched.iter().enumerate().rev() {
@@ -139,7 +139,13 @@ pub(crate) fn eagle_drop_groups(config: &EngineConfig) -> Vec<bool> {
 
 /// The lookup sets in vLLM's order (a validated config names every group once).
 pub(crate) fn lookup_sets(config: &EngineConfig, drop: &[bool]) -> Vec<LookupSet> {
-    let sets = if config.groups.len() == 1 { vec![vec![0]] } else { config.lookup_sets.clone() };
+    let mut sets =
+        if config.groups.len() == 1 { vec![vec![0]] } else { config.lookup_sets.clone() };
+    // vLLM's hybrid coordinator visits full attention first (a stable sort, like vLLM's).
+    let is_full = |set: &Vec<usize>| {
+        set.first().and_then(|&g| config.groups.get(g)).map(|g| g.kind.is_full())
+    };
+    sets.sort_by_key(|set| !is_full(set).unwrap_or(false));
     sets.into_iter()
         .filter_map(|groups| {
             let kind = config.groups.get(*groups.first()?)?.kind;
@@ -201,7 +207,7 @@ fn hybrid_hit(
             }
             let drop_eagle = set.drop_eagle && !eagle_verified.get(index).copied().unwrap_or(true);
             let limit = if drop_eagle {
-                (current + block_size).min(search.hashes.len() * block_size)
+                current.saturating_add(block_size).min(search.hashes.len() * block_size)
             } else {
                 current
             };

@@ -142,7 +142,7 @@ impl KvCacheEngine {
         }
         let any_drop = drop.iter().any(|&d| d);
         let new_from = vec![0; config.groups.len()];
-        let windowed = config.groups.iter().any(|g| !g.kind.is_full());
+        let windowed = config.is_windowed();
         let registered = Vec::new();
         Ok(Self { config, pool, sets, any_drop, windowed, eagle_aware, registered, new_from })
     }
@@ -155,7 +155,7 @@ impl KvCacheEngine {
         &self.pool
     }
 
-    pub fn pool_mut(&mut self) -> &mut BlockPool {
+    pub(crate) fn pool_mut(&mut self) -> &mut BlockPool {
         &mut self.pool
     }
 
@@ -173,7 +173,7 @@ impl KvCacheEngine {
         if !self.config.enable_caching {
             return Ok(CacheHit::empty(self.num_groups()));
         }
-        let needed = hashes.len().min(max_length / self.config.block_size() + 1);
+        let needed = hashes.len().min((max_length / self.config.block_size()).saturating_add(1));
         let prefix: Vec<BlockHash> =
             (0..needed).map(|i| hashes.get(i)).collect::<CoreResult<_>>()?;
         let block_size = self.config.block_size();
@@ -181,9 +181,16 @@ impl KvCacheEngine {
         Ok(hit::find_longest_cache_hit(&search, &self.sets, self.num_groups(), max_length))
     }
 
-    /// The hits must have the shape a lookup gives: one list per group, cached blocks or
-    /// null ones, adopted only at a request's first allocation.
-    fn check_hits(&self, held: &RequestBlocks, hits: &[&[u32]]) -> CoreResult<()> {
+    /// The hits must have the shape a lookup gives: one list per group of cached blocks,
+    /// after a leading run of null ones in a window or chunk group, adopted only at a
+    /// request's first allocation and covering no more than the request's tokens.
+    fn check_hits(
+        &self,
+        held: &RequestBlocks,
+        hits: &[&[u32]],
+        num_computed: usize,
+        num_tokens: usize,
+    ) -> CoreResult<()> {
         if no_hits(hits) {
             return Ok(());
         }
@@ -200,14 +207,21 @@ impl KvCacheEngine {
         if held.is_tracked() || held.holds_blocks() {
             return Err(invalid("prefix hits can only be adopted at a request's first allocation"));
         }
-        let num_blocks = self.pool.num_blocks();
-        for (group, blocks) in hits.iter().enumerate() {
-            for (index, &block) in blocks.iter().enumerate() {
-                if block == NULL_BLOCK {
-                    continue;
-                }
+        if num_computed > num_tokens {
+            return Err(invalid(format!(
+                "{num_computed} computed tokens with prefix hits, but the request has only \
+                 {num_tokens} tokens"
+            )));
+        }
+        for (group, (blocks, spec)) in hits.iter().zip(&self.config.groups).enumerate() {
+            let nulls = if spec.kind.is_full() {
+                0
+            } else {
+                blocks.iter().take_while(|&&b| b == NULL_BLOCK).count()
+            };
+            for (index, &block) in blocks.iter().enumerate().skip(nulls) {
                 let cached = self.pool.key(block).is_some_and(|k| k.group as usize == group);
-                if block as usize >= num_blocks || !cached {
+                if block == NULL_BLOCK || !cached {
                     return Err(invalid(format!(
                         "new_computed_blocks[{group}][{index}] = {block} is not a block cached \
                          for group {group}"
@@ -261,10 +275,11 @@ impl KvCacheEngine {
     /// vLLM's `allocate_slots`: true when it allocated ([`Self::new_blocks`] are the blocks it
     /// took for each group), false when the pool cannot provide them. A false return may
     /// still have freed blocks that fell out of a sliding window or chunk (vLLM frees those
-    /// first, whatever the outcome); an error changes nothing. `hits` are the prefix hits per group (none: no group has any).
-    /// `before_new_blocks` runs once the allocation is certain, after
-    /// the hits are adopted and before new blocks are taken (the embedded manager's
-    /// copy-on-write, which takes `args.extra_blocks` blocks).
+    /// first, whatever the outcome); an error changes no block or table (only
+    /// [`Self::last_registered`], which describes every call, failed ones included). `hits`
+    /// are the prefix hits per group (none: no group has any). `before_new_blocks` runs once
+    /// the allocation is certain, after the hits are adopted and before new blocks are taken
+    /// (the embedded manager's copy-on-write, which takes `args.extra_blocks` blocks).
     pub fn allocate_slots(
         &mut self,
         held: &mut RequestBlocks,
@@ -274,18 +289,18 @@ impl KvCacheEngine {
         hashes: &(impl HashSource + ?Sized),
         before_new_blocks: impl FnOnce(&mut BlockPool, &mut RequestBlocks),
     ) -> CoreResult<bool> {
+        self.registered.clear();
         if args.num_new_tokens == 0 && args.num_new_computed_tokens == 0 {
             return Err(invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
             ));
         }
-        self.registered.clear();
         if held.groups.len() != self.num_groups() {
             return Err(CoreError::Internal("a request's tables do not match the groups"));
         }
-        self.check_hits(held, hits)?;
         let max_len = self.config.max_model_len;
         let local = request.num_computed_tokens.saturating_add(args.num_new_computed_tokens);
+        self.check_hits(held, hits, local, request.num_tokens)?;
         let total = local.min(max_len);
         let watermark = if args.has_scheduled_reqs && request.is_waiting {
             self.config.watermark_blocks
@@ -300,7 +315,7 @@ impl KvCacheEngine {
             }
         }
         let main = total.saturating_add(args.num_new_tokens);
-        let slots = main.saturating_add(args.num_lookahead_tokens).min(max_len);
+        let slots = self.config.num_slots(local, args.num_new_tokens, args.num_lookahead_tokens);
         // Read the hashes this call may register first: a bad one must change nothing.
         let cache_upto = main.min(request.num_tokens);
         let keys = if args.delay_cache_blocks {
@@ -315,7 +330,8 @@ impl KvCacheEngine {
         self.remove_skipped_blocks(held, processed);
         // vLLM counts this chunk's blocks from the computed tokens before the max_model_len cap
         // (the full-sequence gate above uses the capped count).
-        let needed = self.blocks_needed(held, slots, hits, local, false) + args.extra_blocks;
+        let needed =
+            self.blocks_needed(held, slots, hits, local, false).saturating_add(args.extra_blocks);
         // vLLM's `needed + watermark > free - reserved`, where the right side may be negative.
         let wanted = needed.saturating_add(watermark).saturating_add(args.reserved_blocks);
         if wanted > self.pool.num_free_blocks() {
@@ -367,7 +383,7 @@ impl KvCacheEngine {
         let b = self.config.block_size();
         let aligned = num_computed / b * b;
         if eagle_aware && aligned > 0 {
-            finalized.min(finalized / b * b + b)
+            finalized.min((finalized / b * b).saturating_add(b))
         } else {
             aligned
         }

@@ -26,9 +26,21 @@ impl AttentionKind {
         match self {
             Self::Full => 0,
             Self::SlidingWindow { window, extra_retained } => {
-                (num_computed_tokens + 1).saturating_sub(window + extra_retained)
+                num_computed_tokens.saturating_add(1).saturating_sub(window + extra_retained)
             }
             Self::ChunkedLocal { chunk } => num_computed_tokens / chunk * chunk,
+        }
+    }
+
+    /// How many contiguous cached blocks a sliding-window hit needs (vLLM's
+    /// `_contiguous_blocks_for_hit`): the blocks the last token's window reads, plus the one
+    /// an EAGLE hit drops. `None` for the other kinds.
+    pub fn window_hit_blocks(self, block_size: usize, use_eagle: bool) -> Option<usize> {
+        match self {
+            Self::SlidingWindow { window, .. } => {
+                Some(window.saturating_sub(1).div_ceil(block_size) + usize::from(use_eagle))
+            }
+            _ => None,
         }
     }
 
@@ -106,6 +118,22 @@ impl EngineConfig {
         }
     }
 
+    /// vLLM's slot count for an allocation: the computed tokens (capped at the model
+    /// length), the new ones and the lookahead slots, at most the model length.
+    pub fn num_slots(&self, num_computed: usize, num_new: usize, num_lookahead: usize) -> usize {
+        num_computed
+            .min(self.max_model_len)
+            .saturating_add(num_new)
+            .saturating_add(num_lookahead)
+            .min(self.max_model_len)
+    }
+
+    /// Whether some group frees blocks out of a window or chunk (only then does the engine
+    /// read a request's prompt length, in-flight tokens and shared-prefix boundary).
+    pub fn is_windowed(&self) -> bool {
+        self.groups.iter().any(|g| !g.kind.is_full())
+    }
+
     /// The block size every group shares (the engine reproduces vLLM for layouts whose
     /// groups all use the hash block size).
     pub fn block_size(&self) -> usize {
@@ -142,6 +170,14 @@ impl EngineConfig {
                 AttentionKind::SlidingWindow { window: 0, .. } => {
                     return invalid(format!("group {i}: a sliding window must be >= 1 token"));
                 }
+                AttentionKind::SlidingWindow { window, extra_retained }
+                    if window.checked_add(extra_retained).is_none() =>
+                {
+                    return invalid(format!(
+                        "group {i}: sliding window {window} + {extra_retained} retained tokens \
+                         overflows"
+                    ));
+                }
                 AttentionKind::ChunkedLocal { chunk: 0 } => {
                     return invalid(format!("group {i}: an attention chunk must be >= 1 token"));
                 }
@@ -158,6 +194,17 @@ impl EngineConfig {
                      ({block_size})"
                 ));
             }
+        }
+        let drops = super::hit::eagle_drop_groups(self);
+        let chunked_drop =
+            self.groups.iter().zip(&drops).position(|(g, &drop)| {
+                drop && matches!(g.kind, AttentionKind::ChunkedLocal { .. })
+            });
+        if let Some(i) = chunked_drop {
+            // vLLM's chunked local manager asserts it is never asked to drop a block.
+            return invalid(format!(
+                "group {i}: chunked local attention cannot drop its last hit block for EAGLE"
+            ));
         }
         if self.max_model_len == 0 {
             return Err(CoreError::InvalidSize { what: "max_model_len (must be >= 1)", value: 0 });

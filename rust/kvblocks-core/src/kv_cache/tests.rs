@@ -318,3 +318,78 @@ fn more_reserved_blocks_than_free_refuse_even_an_allocation_that_needs_none() {
     let one = AllocateArgs { reserved_blocks: 2, ..one };
     assert_eq!(m.allocate_slots("a", &running, &one, none, &[][..]).unwrap(), Some(vec![vec![]]));
 }
+
+#[test]
+fn hits_must_have_a_lookups_shape() {
+    // Full attention (group 0) and a window of 8 (group 1), block 4: five blocks cached.
+    let mut m = engine(30, vec![full(4), window(4, 8)]);
+    let all = hashes(1..6);
+    admit(&mut m, "a", &all, 21);
+    m.free("a");
+    let hit = m.lookup(&all[..], 20).unwrap();
+    let (f, w) = (hit.blocks[0].clone(), hit.blocks[1].clone());
+    assert_eq!(w[..3], [0, 0, 0]);
+    let args =
+        AllocateArgs { num_new_tokens: 1, num_new_computed_tokens: 20, ..AllocateArgs::default() };
+    let before = free_queue(&m);
+    let mut null_in_full = f.clone();
+    null_in_full[0] = 0;
+    let mut interior_null = w.clone();
+    interior_null[4] = 0;
+    let bad: [[&[u32]; 2]; 2] = [[&null_in_full, &w], [&f, &interior_null]];
+    for hits in &bad {
+        assert!(m.allocate_slots("b", &state(21), &args, hits, &all[..]).is_err());
+    }
+    // More computed tokens than the request has.
+    assert!(m.allocate_slots("b", &state(19), &args, &[&f, &w], &all[..]).is_err());
+    assert_eq!(free_queue(&m), before, "a refused adoption changes nothing");
+    assert!(m.block_ids("b").is_none());
+    assert!(m.allocate_slots("b", &state(21), &args, &[&f, &w], &all[..]).unwrap().is_some());
+    assert_eq!(table(&m, "b", 1)[..3], [0, 0, 0]);
+}
+
+#[test]
+fn lookup_sets_are_visited_full_attention_first_whatever_their_order() {
+    let config = EngineConfig {
+        groups: vec![window(4, 8), chunked(4, 8), full(4)],
+        lookup_sets: vec![vec![0], vec![1], vec![2]],
+        ..EngineConfig::single_group(30, 4, 1 << 20)
+    };
+    let sets = hit::lookup_sets(&config, &[false; 3]);
+    let order: Vec<Vec<usize>> = sets.into_iter().map(|s| s.groups).collect();
+    assert_eq!(order, [vec![2], vec![0], vec![1]], "full first, the others in the given order");
+}
+
+#[test]
+fn configs_vllm_cannot_run_are_refused() {
+    let overflow = GroupSpec {
+        kind: AttentionKind::SlidingWindow { window: usize::MAX, extra_retained: 1 },
+        ..full(4)
+    };
+    let eagle_chunked = EngineConfig {
+        groups: vec![full(4), chunked(4, 8)],
+        lookup_sets: vec![vec![0], vec![1]],
+        use_eagle: true,
+        ..EngineConfig::single_group(10, 4, 1 << 20)
+    };
+    let bad = [
+        EngineConfig { groups: vec![overflow], ..EngineConfig::single_group(10, 4, 1 << 20) },
+        eagle_chunked,
+    ];
+    for config in bad {
+        assert!(matches!(KvCacheManager::new(config), Err(CoreError::InvalidArgument(_))));
+    }
+}
+
+#[test]
+fn huge_token_counts_do_not_overflow() {
+    let mut m = engine(10, vec![window(4, 8), chunked(4, 8)]);
+    admit(&mut m, "a", &hashes(1..3), 9);
+    m.remove_skipped_blocks("a", usize::MAX);
+    assert_eq!(table(&m, "a", 0), [0, 0, 0]);
+    let huge = RequestState { num_computed_tokens: usize::MAX, is_waiting: false, ..state(9) };
+    let args = AllocateArgs { num_new_tokens: 1, ..AllocateArgs::default() };
+    let none: &[&[u32]] = &[&[], &[]];
+    assert!(m.allocate_slots("a", &huge, &args, none, &[][..]).is_ok());
+    assert!(m.lookup(&hashes(1..3)[..], usize::MAX).unwrap().num_tokens <= 8);
+}

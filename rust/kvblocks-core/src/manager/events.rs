@@ -18,6 +18,8 @@ pub(super) fn report_registered(
     if engine.last_registered().is_empty() {
         return;
     }
+    // One full-attention group: no block is ever masked out or null.
+    debug_assert!(engine.last_registered().iter().all(|r| r.skipped.is_empty()));
     if let Some(provenance) = provenance {
         for registered in engine.last_registered() {
             for index in registered.first..registered.end {

@@ -379,6 +379,7 @@ impl BlockManager {
         let hashes =
             verify::CacheKeys::new(request.seq.block_hashes(), self.config.debug_key_bytes);
         let copies = &mut self.copies;
+        let mut short = false;
         let cow = |pool: &mut BlockPool, table: &mut RequestBlocks| {
             let Some(blocks) = table.groups.first_mut() else { return };
             for index in written {
@@ -386,7 +387,11 @@ impl BlockManager {
                 if pool.ref_cnt(*slot) <= 1 {
                     continue;
                 }
-                let Some(&dst) = pool.get_new_blocks(1).first() else { return };
+                // The engine counted these blocks (`extra_blocks`): none left is a bug.
+                let Some(&dst) = pool.get_new_blocks(1).first() else {
+                    short = true;
+                    return;
+                };
                 if index * b < local {
                     copies.push([*slot, dst]);
                 }
@@ -403,6 +408,9 @@ impl BlockManager {
             cow,
         );
         request.table = table;
+        if short {
+            return Err(CoreError::Internal("copy-on-write found no free block"));
+        }
         if !new? {
             return Ok(false);
         }

@@ -279,9 +279,10 @@ impl BlockManager {
             let may_be_empty = input.token_budget.is_some();
             self.check_allocation(request, num_tokens, new, hit_tokens, may_be_empty)?;
             // A lookup's hit plus its new tokens can reach the whole request.
-            let local = request.num_computed_tokens + hit_tokens;
-            let reach = if lookup { num_tokens } else { local.min(self.max_model_len) + new };
-            let need = reach.saturating_add(input.num_lookahead_tokens).min(self.max_model_len);
+            let local = request.num_computed_tokens.saturating_add(hit_tokens);
+            let (computed, new_slots) = if lookup { (num_tokens, 0) } else { (local, new) };
+            let need =
+                self.engine.config().num_slots(computed, new_slots, input.num_lookahead_tokens);
             let blocks_after = need.div_ceil(b).max(request.blocks().len() + hit_tokens / b);
             sizes.max_blocks = sizes.max_blocks.max(blocks_after);
             sizes.max_tokens = sizes.max_tokens.saturating_add(new);
