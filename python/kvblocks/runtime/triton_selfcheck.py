@@ -45,9 +45,9 @@ short contexts (the 1-token context, the prompt's first tokens).
 On a mismatch or an exception the device gets the torch path for the rest of the process,
 with one ``RuntimeWarning`` naming the kernel and its error (the same happens, on that
 device, when a Triton call raises later). A passed check is remembered per device, dtypes,
-geometry and softmax scale (one model: one check per device). ``backend="triton"`` is never checked: it asks
-for the kernels, whatever they return. :func:`check_kernels` runs the check by hand and
-returns the errors (``benches/gpu_selfcheck.py`` prints them on a GPU).
+geometry and softmax scale (one model: one check per device). ``backend="triton"`` is never
+checked: it asks for the kernels, whatever they return. :func:`check_kernels` runs the check
+by hand and returns the errors (``benches/gpu_selfcheck.py`` prints them on a GPU).
 """
 
 from __future__ import annotations
