@@ -4,9 +4,10 @@ cbor2, xxhash), for both implementations. vLLM's own hasher is the oracle of the
 tests/vllm_tier/test_block_hasher.py.
 
 The chains start from the oracle's own NONE_HASH for the hasher's seed
-(``oracle_none_hash``), not from the ``none_hash`` the implementation under test reports;
-tests/test_api.py checks that the implementations' NONE_HASH is that value, for every
-algorithm and seed rule."""
+(``oracle_none_hash``), not from the ``none_hash`` the implementation under test reports, so
+a wrong NONE_HASH fails them too; tests/test_api.py checks the implementations' NONE_HASH
+against ``oracle_none_hash`` on its own, for every algorithm and the seeds chosen without an
+explicit one (vLLM's constant, a random secret, ``PYTHONHASHSEED``)."""
 
 from __future__ import annotations
 
