@@ -1,7 +1,11 @@
 """The Triton kernels' self-check on a real CUDA GPU: prints each kernel's largest error against
 the torch path per dtype and geometry, then runs a small model through ``attention="auto"``.
 
-    PYTHONPATH=$PWD/python python3 benches/gpu_selfcheck.py [--json FILE]
+    python3 benches/gpu_selfcheck.py [--json FILE]
+
+from the checkout, with kvblocks installed in the environment (``pip install ".[torch]"``, or
+``pip install -e ".[torch]"``: the Rust extension is built by the install, so the source tree's
+``python/`` alone cannot be imported; on Linux, torch's CUDA wheel brings Triton).
 
 Exits 1 when a kernel fails its check, the "auto" path warns or does not take the Triton
 kernels, or CUDA or Triton is missing. (Under ``TRITON_INTERPRET=1`` the same check runs in

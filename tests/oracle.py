@@ -80,29 +80,26 @@ def oracle_chain(
     lora: tuple[str, str] | None = None,
     cache_salt: str | None = None,
     mm_features: list[tuple[str, int, int]] | tuple[()] = (),
-    first_block: int = 0,
-    parent: bytes | None = None,
 ) -> list[bytes]:
     """vLLM's request block hasher, written from docs/semantics.md §1.4-1.6: the hashes of the
-    blocks of ``tokens`` (which start at block ``first_block`` of the request) chained to
-    ``parent``. With ``lookahead`` = L > 0 a block is hashed once the L tokens after it exist,
-    and its extra part is ``(E, *those tokens)`` with E the keys of the block widened by L
-    tokens. Multimodal items must not overlap one another: then vLLM's scan finds exactly the
-    items that overlap the (widened) block, which is how this oracle finds them."""
+    blocks of the request ``tokens``, chained from ``none_hash``. With ``lookahead`` = L > 0 a
+    block is hashed once the L tokens after it exist, and its extra part is
+    ``(E, *those tokens)`` with E the keys of the block widened by L tokens. Multimodal items
+    must not overlap one another: then vLLM's scan finds exactly the items that overlap the
+    (widened) block, which is how this oracle finds them."""
     hashes: list[bytes] = []
-    parent = parent or none_hash
+    parent = none_hash
     num_blocks = max(0, (len(tokens) - lookahead) // block_size)
     for index in range(num_blocks):
         start, end = index * block_size, (index + 1) * block_size
-        first = (first_block + index) * block_size  # absolute position of the block
-        window_end = first + block_size + lookahead
+        window_end = end + lookahead
         keys: list[tuple[Any, ...]] = []
         if lora is not None:
             keys.append(("lora", _fresh(lora[0]), _fresh(lora[1])))
         for identifier, offset, length in mm_features:
-            if offset < window_end and offset + length > first:
-                keys.append(("mm", _fresh(identifier), offset - first))
-        if first == 0 and cache_salt:
+            if offset < window_end and offset + length > start:
+                keys.append(("mm", _fresh(identifier), offset - start))
+        if start == 0 and cache_salt:
             keys.append(("cache_salt", _fresh(cache_salt)))
         extra: Any = tuple(keys) if keys else None
         if lookahead:

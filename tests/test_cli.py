@@ -331,6 +331,71 @@ def test_options_of_the_other_engine_are_refused(
     assert capsys.readouterr().err == message
 
 
+def test_backend_is_refused_with_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--backend`` picks the kvblocks engine's block managers; vLLM's comparison is always
+    stock against kvblocks, so the option is refused there, not ignored."""
+    assert cli.main(["bench", "--engine", "vllm", "--backend", "rust"]) == 2
+    assert capsys.readouterr().err == "--backend: these options apply to --engine kvblocks\n"
+
+
+def test_engine_kvblocks_passes_the_pool_and_the_token_budget_to_the_engine(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--num-blocks`` and ``--max-num-batched-tokens`` reach ``kvblocks.LLM``; left out,
+    they are the kvblocks engine's defaults (not the vllm engine's)."""
+    pytest.importorskip("torch")
+    import kvblocks.engine
+
+    built: list[tuple[int, int]] = []
+    real = kvblocks.engine.LLM
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        built.append((kwargs["num_blocks"], kwargs["max_num_batched_tokens"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kvblocks.engine, "LLM", recording)
+    quick = [*TINY_BENCH, "--backend", "rust", "--warmup", "0", "--rounds", "1"]
+    assert cli.main([*quick, "--num-blocks", "64", "--max-num-batched-tokens", "24"]) == 0
+    assert "float32 KV cache of 64 blocks" in capsys.readouterr().out
+    assert built == [(64, 24)]
+    built.clear()
+    assert cli.main(quick) == 0
+    capsys.readouterr()
+    assert built == [(cli.KVBLOCKS_ENGINE_NUM_BLOCKS, cli.KVBLOCKS_ENGINE_MAX_NUM_BATCHED_TOKENS)]
+    assert built == [(4096, 4096)]
+
+
+def test_engine_vllm_defaults_are_its_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The vllm engine's pool and token budget default to 8,192 (blocks per group, tokens)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # stops the run right after the defaults
+    args = cli.parser().parse_args(["bench", "--engine", "vllm"])
+    assert (args.num_blocks, args.max_num_batched_tokens, args.backend) == (None, None, None)
+    assert cli.bench_vllm(args) == 2
+    assert "needs vLLM 0.33" in capsys.readouterr().err
+    assert (args.num_blocks, args.max_num_batched_tokens) == (8192, 8192)
+
+
+def test_a_pool_too_small_is_one_line_naming_num_blocks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A prompt the pool cannot hold: a one-line error naming ``--num-blocks`` and what one
+    request needs, exit status 2, no traceback; a larger ``--num-blocks`` runs."""
+    pytest.importorskip("torch")
+    quick = [*TINY_BENCH, "--backend", "rust", "--warmup", "0", "--rounds", "1"]
+    assert cli.main([*quick, "--num-blocks", "3"]) == 2
+    out, err = capsys.readouterr()
+    # 32 + 4 prompt tokens and 3 output tokens in blocks of 8: 5 blocks.
+    assert err.splitlines()[-1] == (
+        "kvblocks: error: the pool cannot hold a single request: raise num_blocks "
+        "(--num-blocks 3; one request needs up to 5)"
+    )
+    assert "Traceback" not in out + err
+    assert cli.main([*quick, "--num-blocks", "8"]) == 0
+    capsys.readouterr()
+
+
 def test_edge_values_that_are_allowed() -> None:
     args = cli.parser().parse_args(["bench", "--prefix-len", "0", "--warmup", "0"])
     assert (args.prefix_len, args.warmup) == (0, 0)

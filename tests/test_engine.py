@@ -127,6 +127,8 @@ def test_eos_and_validation() -> None:
             "prompt 0: token ids must be a 1-D array",
         ),
         ([], ValueError, "no prompts given"),
+        (np.zeros((0, 4), dtype=np.int64), ValueError, "no prompts given"),
+        (np.zeros((2, 0), dtype=np.int64), ValueError, "prompt 0 is empty"),
         ([[1, 2], []], ValueError, "prompt 1 is empty"),
         ([[1, 2], [3, 101]], ValueError, "prompt 1: token id 101 at index 1 is outside"),
         ([[1, 2], [-1]], ValueError, "prompt 1: token id -1 at index 0 is outside"),

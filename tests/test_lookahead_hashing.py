@@ -1,7 +1,13 @@
 """Lookahead hashing (vLLM's ``num_hash_lookahead_tokens``, EAGLE/MTP): ``hash_blocks(...,
 num_lookahead_tokens=L)`` against the independent oracle of tests/oracle.py (hashlib, pickle,
 cbor2, xxhash), for both implementations. vLLM's own hasher is the oracle of the same feature in
-tests/vllm_tier/test_block_hasher.py."""
+tests/vllm_tier/test_block_hasher.py.
+
+The chains start from the oracle's own NONE_HASH for the hasher's seed
+(``oracle_none_hash``), not from the ``none_hash`` the implementation under test reports, so
+a wrong NONE_HASH fails them too; tests/test_api.py checks the implementations' NONE_HASH
+against ``oracle_none_hash`` on its own, for every algorithm and the seeds chosen without an
+explicit one (vLLM's constant, a random secret, ``PYTHONHASHSEED``)."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from hypothesis import strategies as st
 
 import kvblocks
 import kvblocks.reference as ref
-from tests.oracle import VLLM_ALGOS, oracle_chain
+from tests.oracle import VLLM_ALGOS, oracle_chain, oracle_none_hash
 
 LOOKAHEADS = (1, 2, 3, 5)
 # Every integer width of CBOR and pickle, LONG1 (>= 2**31) included.
@@ -40,8 +46,9 @@ KEY_CASES: dict[str, dict[str, Any]] = {
 
 
 def expected(hasher: Any, tokens: list[int], lookahead: int, **kwargs: Any) -> list[bytes]:
+    none_hash = oracle_none_hash(hasher.algo, hasher.seed)
     return oracle_chain(
-        hasher.algo, hasher.none_hash, hasher.block_size, tokens, lookahead=lookahead, **kwargs
+        hasher.algo, none_hash, hasher.block_size, tokens, lookahead=lookahead, **kwargs
     )
 
 

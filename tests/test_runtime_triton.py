@@ -320,18 +320,20 @@ def test_selfcheck_errors_of_the_real_kernels(selfcheck: dict[str, Any]) -> None
             assert 0 < error < bound <= tol, (geometry, kernel, error)
 
 
-def test_selfcheck_verdicts_are_per_device_and_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selfcheck_verdicts_are_per_device_geometry_and_scale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The bookkeeping around the check (the check itself replaced: no Triton here): one
-    check per device and geometry, a failure sends only that device to torch, with one
-    warning, and it is never checked again."""
+    check per device, geometry and softmax scale, a failure sends only that device to torch,
+    with one warning, and it is never checked again."""
     from kvblocks.runtime import triton_selfcheck as sc
 
     monkeypatch.setattr(sc, "_VERIFIED", set())
     monkeypatch.setattr(sc, "_TORCH_ONLY", set())
-    calls: list[tuple[str, int]] = []
+    calls: list[tuple[str, int, float]] = []
 
     def fake_check(device: torch.device, *args: Any, **kw: Any) -> sc.SelfCheck:
-        calls.append((str(device), kw["heads"]))
+        calls.append((str(device), kw["heads"], kw["scale"]))
         error = 0.5 if str(device) == "meta" else 0.0
         geometry = sc.Geometry(torch.float32, torch.float32, kw["heads"], 2, 8, 16)
         checks = (sc.KernelCheck("decode", 0.0, 1e-4), sc.KernelCheck("prefill", error, 1e-4))
@@ -340,9 +342,9 @@ def test_selfcheck_verdicts_are_per_device_and_geometry(monkeypatch: pytest.Monk
     monkeypatch.setattr(sc, "check_kernels", fake_check)
     cache = torch.empty(4, 16, 2, 8)
 
-    def verified(device: str, heads: int = 4) -> bool:
+    def verified(device: str, heads: int = 4, scale: float = 8**-0.5) -> bool:
         query = torch.empty(3, heads, 8, device=device)
-        return sc.kernels_verified(query, cache.to(device), 8**-0.5)
+        return sc.kernels_verified(query, cache.to(device), scale)
 
     with pytest.warns(RuntimeWarning) as caught:
         first = [verified("meta"), verified("meta"), verified("meta", heads=8)]
@@ -350,9 +352,12 @@ def test_selfcheck_verdicts_are_per_device_and_geometry(monkeypatch: pytest.Monk
     assert len(caught) == 1
     assert str(caught[0].message).startswith("the Triton prefill kernel failed")
     assert "max abs error 0.5 > tolerance 0.0001" in str(caught[0].message)
-    assert calls == [("meta", 4)]
+    s = 8**-0.5
+    assert calls == [("meta", 4, s)]
     for _ in range(3):
         assert verified("cpu")
     assert verified("cpu", heads=8)  # another geometry: checked once more
-    assert calls == [("meta", 4), ("cpu", 4), ("cpu", 8)]
+    assert verified("cpu", scale=0.5)  # another scale: checked once more
+    assert verified("cpu", scale=0.5)
+    assert calls == [("meta", 4, s), ("cpu", 4, s), ("cpu", 8, s), ("cpu", 4, 0.5)]
     assert sorted(sc._TORCH_ONLY) == ["meta"]

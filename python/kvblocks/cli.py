@@ -137,7 +137,7 @@ def _clear_bar() -> None:
 
 
 #: The options only ``--engine kvblocks`` reads.
-_KVBLOCKS_ENGINE_ONLY = ("model", "device", "dtype", "threads", "warmup")
+_KVBLOCKS_ENGINE_ONLY = ("backend", "model", "device", "dtype", "threads", "warmup")
 #: The options only ``--engine vllm`` reads.
 _VLLM_ENGINE_ONLY = ("layout",)
 #: ``--layout``'s choices: the KV-cache layouts of ``kvblocks.vllm.bench_driver.LAYOUTS``
@@ -184,6 +184,9 @@ def bench_engine(args: argparse.Namespace) -> int:
         rounds=5,
         warmup=1,
         threads=DEFAULT_TORCH_THREADS,
+        backend="both",
+        num_blocks=KVBLOCKS_ENGINE_NUM_BLOCKS,
+        max_num_batched_tokens=KVBLOCKS_ENGINE_MAX_NUM_BATCHED_TOKENS,
     )
     try:
         import torch
@@ -213,23 +216,34 @@ def bench_engine(args: argparse.Namespace) -> int:
                 backend=backend,
                 block_size=args.block_size,
                 hash_algo=args.hash_algo,
+                num_blocks=args.num_blocks,
                 max_num_seqs=args.max_num_seqs or 32,
-                max_num_batched_tokens=4096,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 device=device,
                 dtype=dtype,
             )
 
         backends = ["rust", "python"] if args.backend == "both" else [args.backend]
-        result = compare(
-            make_engine,
-            prompts,
-            SamplingParams(max_tokens=args.output_len),
-            backends,
-            rounds=args.rounds,
-            warmup=args.warmup,
-            progress=_show_bar,
-        )
-        _clear_bar()
+        try:
+            result = compare(
+                make_engine,
+                prompts,
+                SamplingParams(max_tokens=args.output_len),
+                backends,
+                rounds=args.rounds,
+                warmup=args.warmup,
+                progress=_show_bar,
+            )
+        except RuntimeError as e:
+            if "num_blocks" not in str(e):
+                raise
+            longest = args.prefix_len + args.suffix_len + args.output_len
+            needs = -(-longest // args.block_size)
+            raise RuntimeError(
+                f"{e} (--num-blocks {args.num_blocks}; one request needs up to {needs})"
+            ) from e
+        finally:
+            _clear_bar()
     if len(backends) == 2:
         order = "  ".join(",".join(b[0].upper() for b in o) for o in round_orders(backends, 4))
         rounds = f"{args.rounds} timed rounds, the order alternating ({order} ...)"
@@ -239,7 +253,7 @@ def bench_engine(args: argparse.Namespace) -> int:
         f"kvblocks {kvblocks.__version__}: {args.num_requests} requests, {args.prefix_len}-token "
         f"shared prefix + {args.suffix_len} own tokens, {args.output_len} output tokens, "
         f"block size {args.block_size}, {args.hash_algo}, {model_name} on {device}, "
-        f"{str(dtype).removeprefix('torch.')} KV cache\n"
+        f"{str(dtype).removeprefix('torch.')} KV cache of {args.num_blocks} blocks\n"
         f"torch threads: {args.threads} (--threads; torch's default here: {torch_default}). "
         f"Per backend {args.warmup} untimed warm-up run(s), then {rounds}; "
         f"median [min-max] over the rounds.\n"
@@ -284,6 +298,8 @@ def bench_vllm(args: argparse.Namespace) -> int:
         hash_algo="sha256",
         rounds=3,
         layout="llama",
+        num_blocks=VLLM_ENGINE_NUM_BLOCKS,
+        max_num_batched_tokens=VLLM_ENGINE_MAX_NUM_BATCHED_TOKENS,
     )
     from kvblocks.vllm import status
     from kvblocks.vllm.bench_logs import held_back, summary
@@ -450,6 +466,14 @@ def positive_int_list(text: str) -> list[int]:
 #: (0.64x [0.51x-0.89x]) while its bookkeeping was 11x faster.
 DEFAULT_TORCH_THREADS = 1
 
+#: ``kvblocks bench``'s pool and per-step token budget: ``kvblocks.LLM``'s default pool and
+#: a 4,096-token budget for the kvblocks engine; vLLM's scheduler gets 8,192 of each (blocks
+#: per KV-cache group).
+KVBLOCKS_ENGINE_NUM_BLOCKS = 4096
+KVBLOCKS_ENGINE_MAX_NUM_BATCHED_TOKENS = 4096
+VLLM_ENGINE_NUM_BLOCKS = 8192
+VLLM_ENGINE_MAX_NUM_BATCHED_TOKENS = 8192
+
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
@@ -488,16 +512,20 @@ def parser() -> argparse.ArgumentParser:
         choices=kvblocks.HASH_ALGORITHMS,
         help="default sha256_cbor (kvblocks), sha256 (vllm, its default)",
     )
-    e.add_argument("--backend", choices=["both", "rust", "python"], default="both")
+    e.add_argument(
+        "--backend",
+        choices=["both", "rust", "python"],
+        help="block manager(s) to run (kvblocks engine; default both)",
+    )
     e.add_argument(
         "--max-num-seqs", type=positive_int, help="default 32 (kvblocks), all requests (vllm)"
     )
     e.add_argument(
         "--num-blocks",
         type=positive_int,
-        default=8192,
-        help="KV-cache blocks per KV-cache group (vllm engine; the groups share one pool of "
-        "this many times the number of groups)",
+        help=f"KV-cache blocks: the pool (kvblocks engine, default {KVBLOCKS_ENGINE_NUM_BLOCKS}),"
+        f" or per KV-cache group (vllm engine, default {VLLM_ENGINE_NUM_BLOCKS}; the groups "
+        "share one pool of this many times the number of groups)",
     )
     e.add_argument(
         "--layout",
@@ -509,8 +537,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
-        default=8192,
-        help="token budget (vllm engine)",
+        help="tokens scheduled per step; default "
+        f"{KVBLOCKS_ENGINE_MAX_NUM_BATCHED_TOKENS} (kvblocks), "
+        f"{VLLM_ENGINE_MAX_NUM_BATCHED_TOKENS} (vllm)",
     )
     e.add_argument(
         "--rounds",
@@ -596,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.error("--prefix-len and --suffix-len are both 0: a prompt needs at least one token")
     try:
         code: int = args.func(args)
-    except (ValueError, TypeError, OSError, ImportError) as e:
+    except (ValueError, TypeError, OSError, ImportError, RuntimeError) as e:
         print(f"kvblocks: error: {e}", file=sys.stderr)
         return 2
     return code

@@ -76,6 +76,8 @@ def checked_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
     otherwise."""
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
         batch: list[object] = list(prompts)
+        if not batch:  # shape (0, n): no rows, as [] is no prompts
+            raise ValueError("no prompts given")
     elif isinstance(prompts, np.ndarray):
         batch = [prompts]
     elif _is_prompt_container(prompts):

@@ -44,10 +44,10 @@ short contexts (the 1-token context, the prompt's first tokens).
 
 On a mismatch or an exception the device gets the torch path for the rest of the process,
 with one ``RuntimeWarning`` naming the kernel and its error (the same happens, on that
-device, when a Triton call raises later). A passed check is remembered per device, dtypes and
-geometry (one model: one check per device). ``backend="triton"`` is never checked: it asks
-for the kernels, whatever they return. :func:`check_kernels` runs the check by hand and
-returns the errors (``benches/gpu_selfcheck.py`` prints them on a GPU).
+device, when a Triton call raises later). A passed check is remembered per device, dtypes,
+geometry and softmax scale (one model: one check per device). ``backend="triton"`` is never
+checked: it asks for the kernels, whatever they return. :func:`check_kernels` runs the check
+by hand and returns the errors (``benches/gpu_selfcheck.py`` prints them on a GPU).
 """
 
 from __future__ import annotations
@@ -252,15 +252,16 @@ def _name(dtype: torch.dtype) -> str:
 
 
 _LOCK = threading.RLock()
-#: Geometries whose check passed, per device.
-_VERIFIED: set[tuple[str, Geometry]] = set()
+#: (device, geometry, scale) whose check passed.
+_VERIFIED: set[tuple[str, Geometry, float]] = set()
 #: Devices on which "auto" uses the torch path for the rest of the process.
 _TORCH_ONLY: set[str] = set()
 
 
 def kernels_verified(query: torch.Tensor, key_cache: torch.Tensor, scale: float) -> bool:
     """Whether ``backend="auto"`` may run the Triton kernels for this call: runs the check the
-    first time a device sees this geometry; a failure sends the device to the torch path."""
+    first time a device sees this geometry and ``scale``; a failure sends the device to the
+    torch path."""
     device = str(query.device)
     if device in _TORCH_ONLY:
         return False
@@ -268,12 +269,13 @@ def kernels_verified(query: torch.Tensor, key_cache: torch.Tensor, scale: float)
     geometry = Geometry(
         query.dtype, key_cache.dtype, query.shape[1], kv_heads, head_dim, block_size
     )
-    if (device, geometry) in _VERIFIED:
+    key = (device, geometry, float(scale))
+    if key in _VERIFIED:
         return True
-    with _LOCK:  # one check per device and geometry, even with several threads
+    with _LOCK:  # one check per device, geometry and scale, even with several threads
         if device in _TORCH_ONLY:
             return False
-        if (device, geometry) in _VERIFIED:
+        if key in _VERIFIED:
             return True
         with torch.no_grad():
             report = check_kernels(
@@ -288,7 +290,7 @@ def kernels_verified(query: torch.Tensor, key_cache: torch.Tensor, scale: float)
             )
         failure = report.failure()
         if failure is None:
-            _VERIFIED.add((device, geometry))
+            _VERIFIED.add(key)
             return True
         # (kernels_verified <- _auto_triton <- paged_attention <- its caller)
         use_torch_on(query.device, failure, stacklevel=4)
