@@ -36,12 +36,16 @@ def plugin() -> Iterator[None]:
         kvblocks.vllm.uninstall()
 
 
+def _unpatched() -> None:
+    kvblocks.vllm.uninstall()
+
+
 @pytest.fixture(autouse=True)
 def _vllm_unpatched() -> Iterator[None]:
     """Every test starts and ends with vLLM's own code in place."""
-    kvblocks.vllm.uninstall()
+    _unpatched()
     yield
-    kvblocks.vllm.uninstall()
+    _unpatched()
 
 
 @pytest.fixture(params=[False, True])

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 import kvblocks.vllm
-from kvblocks.vllm import _state, scheduler
+from kvblocks.vllm import _state, kv_cache_manager, scheduler
 from kvblocks.vllm.bench_driver import (
     MAX_MODEL_LEN,
     SchedulerSpec,
@@ -243,8 +243,35 @@ def test_kv_cache_layouts_fall_back(model_dir: Path, monkeypatch: pytest.MonkeyP
     assert fell_back(decide(model_dir), "zeroing")
 
 
-def test_unreadable_configuration_never_raises(model_dir: Path) -> None:
-    assert fell_back(decide(model_dir, setter("parallel_config", None)), "guard_error")
+def guard_error_text() -> str:
+    """status()'s text of the manager's guard-error fallback (with the error)."""
+    (text,) = kvblocks.vllm.status().fallbacks
+    assert text.startswith(f"kv_cache_manager: {_state.Reason.GUARD_ERROR.text} (")
+    return text
+
+
+def test_unreadable_configuration_never_raises(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _state._logged.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
+        assert fell_back(decide(model_dir, setter("parallel_config", None)), "guard_error")
+    error = "AttributeError: 'NoneType' object has no attribute"
+    assert error in guard_error_text()
+    (line,) = [r for r in caplog.records if "falls back" in r.getMessage()]
+    assert line.levelno == logging.WARNING
+    assert error in line.getMessage()
+
+
+def test_unreadable_manager_arguments_never_raise(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(kwargs: dict[str, Any]) -> None:
+        raise KeyError("kv_cache_groups")
+
+    monkeypatch.setattr(kv_cache_manager, "unsupported_manager_arguments", broken)
+    assert fell_back(decide(model_dir), "guard_error")
+    assert "(KeyError: 'kv_cache_groups')" in guard_error_text()
 
 
 def test_real_scheduler_with_an_rswa_spec_runs_on_vllm(
@@ -291,3 +318,4 @@ def test_an_error_building_kvblocks_manager_falls_back(
 
     monkeypatch.setattr(scheduler, "KVCacheManager", broken)
     assert fell_back(decide(model_dir), "guard_error")
+    assert "(RuntimeError: simulated bug)" in guard_error_text()

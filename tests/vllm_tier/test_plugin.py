@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import vllm.plugins
 from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.sched import scheduler as scheduler_module
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
@@ -113,10 +116,63 @@ def test_one_info_line_says_what_is_active(caplog: pytest.LogCaptureFixture) -> 
 
 def test_status_str_names_parts_and_fallbacks() -> None:
     kvblocks.vllm.install()
+    _state.fallbacks.clear()
     block_hasher("sha256", 16)
+
+    def custom_hash(obj: object) -> bytes:
+        return b"\0" * 32
+
+    kv_cache_utils.get_request_block_hasher(16, custom_hash)  # a function kvblocks lacks
+    kv_cache_utils.get_request_block_hasher(16, custom_hash)
     text = str(kvblocks.vllm.status())
     assert "mode=all" in text
     assert "hasher on sha256" in text
+    reason = _state.Reason.HASH_FN.text
+    assert f"\n  fallback x2: hasher: {reason}" in text, text
+
+
+# One part failing to install leaves the others, and says why.
+
+
+def test_a_part_that_fails_to_install_falls_back_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The manager part's import fails (as if vLLM's scheduler module moved): the hasher
+    stays installed, vLLM's scheduler is untouched, and status() names the error."""
+    monkeypatch.delattr(kvblocks.vllm, "scheduler")
+    monkeypatch.setitem(sys.modules, "kvblocks.vllm.scheduler", None)  # its import raises
+    monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
+    _state.fallbacks.clear()
+    _state._logged.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
+        kvblocks.vllm.register()  # as vLLM loads it: never raises
+    status = kvblocks.vllm.status()
+    assert status.mode == "all"
+    assert kv_cache_utils.get_request_block_hasher.__module__ == OURS
+    assert scheduler_module.KVCacheManager is VllmKVCacheManager
+    assert not getattr(scheduler_module.Scheduler.__init__, "__kvblocks_wrapped__", False)
+    assert dict(_state.fallbacks) == {("kv_cache_manager", "guard_error"): 1}
+    (text,) = status.fallbacks
+    assert text.startswith("kv_cache_manager: ")
+    assert "(ModuleNotFoundError: import of kvblocks.vllm.scheduler halted" in text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "kv_cache_manager falls back" in warnings[0]
+    assert "ModuleNotFoundError" in warnings[0]
+
+
+def test_a_part_failing_halfway_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hasher part fails after it replaced kv_cache_utils' factory (the engine-core
+    module cannot be patched): that replacement is undone, the manager part stays."""
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.core", SimpleNamespace())
+    _state.fallbacks.clear()
+    status = kvblocks.vllm.install("all")
+    assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
+    assert scheduler_module.KVCacheManager is not VllmKVCacheManager
+    assert "hasher" not in status.active
+    assert dict(_state.fallbacks) == {("hasher", "guard_error"): 1}
+    (text,) = status.fallbacks
+    assert "(AttributeError: " in text
 
 
 def test_import_kvblocks_does_not_import_vllm() -> None:

@@ -109,7 +109,7 @@ class KVCacheManager:
         try:
             reason = unsupported_manager_arguments(kwargs)
         except Exception as error:  # an unexpected config shape
-            raise Unsupported(_state.Reason.GUARD_ERROR) from error
+            raise Unsupported(_state.Reason.GUARD_ERROR, _state.error_detail(error)) from error
         if reason is not None:
             raise Unsupported(reason)
         self._init(**kwargs)

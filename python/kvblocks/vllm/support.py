@@ -68,11 +68,14 @@ MANAGER_ARGUMENTS = frozenset(
 
 
 class Unsupported(ValueError):
-    """kvblocks' ``KVCacheManager`` refused its arguments; ``reason`` says why."""
+    """kvblocks' ``KVCacheManager`` refused its arguments; ``reason`` says why and ``detail``
+    what the reason's text leaves out (for :attr:`Reason.GUARD_ERROR`, the error)."""
 
-    def __init__(self, reason: Reason) -> None:
-        super().__init__(f"kvblocks' KVCacheManager does not support {reason.text}")
+    def __init__(self, reason: Reason, detail: str | None = None) -> None:
+        message = f"kvblocks' KVCacheManager does not support {reason.text}"
+        super().__init__(f"{message} ({detail})" if detail else message)
         self.reason = reason
+        self.detail = detail
 
 
 def spec_kind(spec: Any, role: Any) -> str | None:
