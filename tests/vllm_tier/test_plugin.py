@@ -131,6 +131,43 @@ def test_status_str_names_parts_and_fallbacks() -> None:
     assert f"\n  fallback x2: hasher: {reason}" in text, text
 
 
+# An explicit install()/uninstall() wins over the plugin entry point.
+
+
+def test_explicit_uninstall_wins_over_the_entry_point(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After uninstall() in a notebook, the first engine's plugin loading installs nothing,
+    and says so once."""
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setenv("KVBLOCKS_VLLM", "all")
+    kvblocks.vllm.uninstall()
+    _state._logged.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
+        load_plugins(monkeypatch)
+        load_plugins(monkeypatch)
+    assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
+    assert kvblocks.vllm.status().mode == "off"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "kvblocks: KVBLOCKS_VLLM=all not applied: install()/uninstall() chose mode=off in this "
+        "process"
+    ]
+
+
+def test_explicit_install_wins_over_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setenv("KVBLOCKS_VLLM", "all")
+    kvblocks.vllm.install("hasher")
+    load_plugins(monkeypatch)
+    assert kvblocks.vllm.status().mode == "hasher"
+    assert kv_cache_utils.get_request_block_hasher.__module__ == OURS
+    assert scheduler_module.KVCacheManager is VllmKVCacheManager  # "all" was not installed
+    # An explicit install() still replaces an explicit install().
+    kvblocks.vllm.install("all")
+    assert scheduler_module.KVCacheManager is not VllmKVCacheManager
+
+
 # One part failing to install leaves the others, and says why.
 
 

@@ -18,6 +18,7 @@ ported from (:mod:`kvblocks.vllm.fingerprints`). Importing this module does not 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -135,8 +136,13 @@ def install(mode: str = "all") -> Status:
     installed: it falls back, with one log line naming the files, and :func:`status` says so;
     so does a part whose installation fails (``guard_error``, with the error), the other
     parts staying installed.
+
+    An explicit call (this, or :func:`uninstall`) wins over the plugin entry point: once it
+    ran, :func:`register` (an engine starting in this process) leaves the mode it chose.
     """
-    return _install(mode)
+    status_now = _install(mode)
+    _state.explicit = True
+    return status_now
 
 
 def _install(mode: str) -> Status:
@@ -194,8 +200,10 @@ def _install_manager() -> None:
 
 
 def uninstall() -> Status:
-    """Puts vLLM's own objects back. Hashers already built stay as they are."""
+    """Puts vLLM's own objects back. Hashers already built stay as they are. Like
+    :func:`install`, an explicit call wins over the plugin entry point (:func:`register`)."""
     _uninstall()
+    _state.explicit = True
     return status()
 
 
@@ -209,11 +217,23 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: installs the mode ``KVBLOCKS_VLLM`` names.
 
     Cheap, idempotent, and silent when the mode is ``off``. It never raises: vLLM calls it
-    during start-up, so any problem becomes one warning and vLLM runs unchanged.
+    during start-up, so any problem becomes one warning and vLLM runs unchanged. After an
+    explicit :func:`install` or :func:`uninstall` in this process it changes nothing (one
+    INFO line says so when ``KVBLOCKS_VLLM`` asks for another mode).
     """
     _state.loaded = True
     mode = _configured_mode()
     if mode == _state.mode:
+        return
+    if _state.explicit:
+        _state.log_once(
+            "register:explicit",
+            logging.INFO,
+            "kvblocks: %s=%s not applied: install()/uninstall() chose mode=%s in this process",
+            ENV_VAR,
+            mode,
+            _state.mode,
+        )
         return
     try:
         _install(mode)

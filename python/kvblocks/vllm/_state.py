@@ -17,6 +17,9 @@ mode = "off"
 #: Whether vLLM has loaded the plugin (``register``) or ``install``/``uninstall`` ran in this
 #: process: until then ``mode`` is "off" only because nothing happened yet.
 loaded = False
+#: Whether ``install``/``uninstall`` was called explicitly (a notebook, a test, a benchmark):
+#: then the plugin entry point (``register``) leaves the mode it chose alone.
+explicit = False
 #: part -> what it runs on ("sha256_cbor", ...), for the parts that are active.
 active: dict[str, str] = {}
 #: (part, reason) -> how often that part fell back to vLLM's code for that reason.
