@@ -137,6 +137,15 @@ def unsupported_manager_arguments(kwargs: dict[str, Any]) -> Reason | None:
         return Reason.KV_CACHE_SPEC
     if kwargs.get("watermark", 0.0) < 0.0:
         return Reason.VLLM_REJECTS
+    if (
+        caching
+        and kwargs.get("num_hash_lookahead_tokens", 0) >= 2
+        and not any(spec_kind(g.kv_cache_spec, g.role) == "full" for g in groups)
+    ):
+        # A request then has fewer block hashes than full blocks, and vLLM's sliding-window
+        # and chunked-local hit searches index past them (IndexError); kvblocks' would stop
+        # at the last hash. With a full-attention group, its hit bounds the others' first.
+        return Reason.LOOKAHEAD_WITHOUT_FULL
     return None
 
 
