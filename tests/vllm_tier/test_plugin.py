@@ -262,12 +262,16 @@ def test_scheduler_run_identical_with_plugin(model_dir: Path, algo: str, num_blo
         assert any(step[0][5] for step in stock[:-1])
 
 
+BENCH_ARGV = ["bench", "--engine", "vllm", "--num-requests", "12", "--prefix-len", "40"]
+BENCH_ARGV += ["--suffix-len", "9", "--output-len", "5", "--rounds", "1", "--num-blocks", "256"]
+
+
 def test_kvblocks_bench_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     from kvblocks.cli import main
 
-    argv = ["bench", "--engine", "vllm", "--num-requests", "12", "--prefix-len", "40"]
-    argv += ["--suffix-len", "9", "--output-len", "5", "--rounds", "1", "--num-blocks", "256"]
-    assert main(argv) == 0
+    _state.fallbacks.clear()
+    assert main(BENCH_ARGV) == 0
+    assert dict(_state.fallbacks) == {}  # the kvblocks side ran on kvblocks throughout
     out, err = capsys.readouterr()
     # vLLM's warnings, repeated at every run, are summed up after the progress bar, and
     # kvblocks' own INFO lines are shown there.
@@ -312,4 +316,32 @@ def test_kvblocks_bench_engine_vllm_layout(
     out = capsys.readouterr().out
     assert f"KV-cache layout {layout}: {groups} (128 per group)" in out
     assert "scheduler outputs: identical in every run" in out
-    assert not any(part == "kv_cache_manager" for part, _ in _state.fallbacks)
+    assert dict(_state.fallbacks) == {}
+
+
+@pytest.mark.parametrize("part", ["kv_cache_manager", "hasher"])
+def test_kvblocks_bench_engine_vllm_fails_when_kvblocks_did_not_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """Were a part to fall back, "with kvblocks" would be stock vLLM: no report, an error."""
+    from kvblocks.cli import main
+    from kvblocks.vllm import block_hasher as block_hasher_module
+    from kvblocks.vllm import scheduler
+
+    if part == "kv_cache_manager":
+        refuse = lambda *args, **kwargs: _state.Reason.KV_CONNECTOR  # noqa: E731
+        monkeypatch.setattr(scheduler, "unsupported_config", refuse)
+        ran = "manager vllm.v1.core.kv_cache_manager, hasher kvblocks.vllm.block_hasher"
+        reason = _state.Reason.KV_CONNECTOR.text
+    else:
+        monkeypatch.setattr(block_hasher_module, "_hash_function_names", dict)
+        ran = "manager kvblocks.vllm.kv_cache_manager, hasher vllm.v1.core.kv_cache_utils"
+        reason = _state.Reason.HASH_FN.text
+    assert main(BENCH_ARGV) == 2
+    out, err = capsys.readouterr()
+    assert "scheduler-side CPU time" not in out
+    assert (
+        "kvblocks: error: the 'with kvblocks' side of the comparison did not run on kvblocks "
+        f"(ran on {ran}; fell back to vLLM's code: {part}: {reason})"
+    ) in err
+    assert kvblocks.vllm.status().mode == "off"
