@@ -257,7 +257,6 @@ def test_scheduler_run_identical_with_plugin(model_dir: Path, algo: str, num_blo
     stock, ours = both(model_dir, script, seed="7")
     assert len(stock) > 20
     assert_same(stock, ours)
-    assert dict(_state.fallbacks) == {}
     if num_blocks == 40:  # the small pool must have preempted someone
         assert any(step[0][5] for step in stock[:-1])
 
