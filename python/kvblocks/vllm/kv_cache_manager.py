@@ -23,7 +23,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
@@ -43,8 +49,6 @@ from vllm.v1.request import Request, RequestStatus
 from kvblocks._core import KVCacheBlockIds, KVCacheCore, KVCacheGroup
 from kvblocks.vllm import _state
 from kvblocks.vllm.support import Unsupported, spec_kind, unsupported_manager_arguments
-
-_MEDIUM = "GPU"
 
 
 class _GroupManager:
@@ -187,7 +191,7 @@ class KVCacheManager:
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlockIds, int, int]:
-        if not self.enable_caching or request.skip_reading_prefix_cache:
+        if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
@@ -345,7 +349,7 @@ class KVCacheManager:
                 self._events.append(
                     BlockRemoved(
                         block_hashes=[maybe_convert_block_hash(block_hash)],
-                        medium=_MEDIUM,
+                        medium=MEDIUM_GPU,
                         group_idx=group,
                     )
                 )
@@ -402,7 +406,7 @@ class KVCacheManager:
             token_ids=request.all_token_ids[first * size : end * size],
             block_size=size,
             lora_id=lora.adapter_id if lora else None,
-            medium=_MEDIUM,
+            medium=MEDIUM_GPU,
             lora_name=lora.name if lora else None,
             extra_keys=to_event_extra_keys(extra_keys),
             group_idx=group,
