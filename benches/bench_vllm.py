@@ -13,6 +13,10 @@ the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
   hashing at arrival and inside the KV-cache manager. Both runs must produce identical
   scheduler outputs; on the layouts every request must run to its end without preemption.
 
+Every kvblocks case asserts that kvblocks' hasher and KV-cache manager really ran, with no
+fallback to vLLM's code (and every stock case that vLLM's own ran): a fallback would time
+stock vLLM against itself.
+
 An untimed pass (``--benchmark-disable``) runs the layouts other than the one-group cases on
 16 requests (``UNTIMED_LAYOUT_WORKLOAD``).
 
@@ -30,6 +34,7 @@ import pytest
 pytest.importorskip("vllm", reason='needs vllm (pip install ".[vllm]" in a kvblocks checkout)')
 
 import kvblocks.vllm
+from kvblocks.vllm import _state
 from kvblocks.vllm.bench import describe_layout, pool_blocks
 from kvblocks.vllm.bench_driver import (
     LAYOUTS,
@@ -38,12 +43,14 @@ from kvblocks.vllm.bench_driver import (
     Speculation,
     Workload,
     block_hasher,
+    implementation_of,
     make_request,
     make_scheduler,
     select_cpu_platform,
     timed_run,
     tiny_model_dir,
 )
+from kvblocks.vllm.bench_driver.timing import IMPLEMENTATION_MODULES
 
 IMPLS = ["vllm", "kvblocks"]
 SNAPSHOTS: dict[str, list[Any]] = {}
@@ -58,8 +65,16 @@ def installed(request: pytest.FixtureRequest) -> Iterator[str]:
         kvblocks.vllm.install("all")
     else:
         kvblocks.vllm.uninstall()
+    _state.fallbacks.clear()
     yield impl
     kvblocks.vllm.uninstall()
+
+
+def assert_ran_on(impl: str, *implementations: str) -> None:
+    """Each run used ``impl``'s hasher and manager (:func:`implementation_of`), and nothing
+    fell back to vLLM's code."""
+    assert set(implementations) == {impl}, f"{impl} side ran on {implementations}"
+    assert not _state.fallbacks, f"fell back: {kvblocks.vllm.status().fallbacks}"
 
 
 def _label(benchmark: Any, case: str, impl: str) -> None:
@@ -74,6 +89,7 @@ def _label(benchmark: Any, case: str, impl: str) -> None:
 def test_prompt_hashing_at_arrival(benchmark: Any, installed: str, algo: str) -> None:
     workload = Workload(num_requests=256, prompt_len=2000, shared_len=1500)
     hasher: Callable[[Any], list[bytes]] = block_hasher(algo, 16)
+    assert hasher.__module__ == IMPLEMENTATION_MODULES[installed][1]
     requests = [make_request(f"r{i}", p, None) for i, p in enumerate(workload.prompts())]
 
     def hash_all() -> list[list[bytes]]:
@@ -83,6 +99,7 @@ def test_prompt_hashing_at_arrival(benchmark: Any, installed: str, algo: str) ->
     _label(benchmark, case, installed)
     hashes = benchmark.pedantic(hash_all, rounds=5, warmup_rounds=1)
     assert all(len(h) == 125 for h in hashes)
+    assert not _state.fallbacks, f"fell back: {kvblocks.vllm.status().fallbacks}"
     HASHES[(algo, installed)] = hashes
     if len(HASHES) % 2 == 0:  # both implementations ran: the same bytes
         assert HASHES[(algo, "vllm")] == HASHES[(algo, "kvblocks")]
@@ -176,6 +193,7 @@ def test_scheduler_cpu_time(
     timings, snapshots = runs[len(runs) // 2]
     benchmark.extra_info["seconds"] = timings.scheduler
     assert all(s == snapshots for _, s in runs)
+    assert_ran_on(installed, *(t.implementation for t, _ in runs))
     if method:  # drafts were scheduled, some accepted: fewer steps than tokens to decode
         assert any(drafts for *_, drafts in snapshots)
         assert timings.steps < workload.output_len + 8
@@ -185,6 +203,7 @@ def test_scheduler_cpu_time(
     assert snapshots == SNAPSHOTS[case], "kvblocks changed vLLM's scheduling decisions"
     # Where the time goes: one more run with a timer on every hasher and manager call.
     parts, _ = timed_run(model_dir, spec, workload, instrument=True)
+    assert_ran_on(installed, parts.implementation)
     shares = {
         "hashing at arrival": parts.hashing / parts.scheduler,
         "KV-cache manager": parts.manager / parts.scheduler,
@@ -227,6 +246,7 @@ def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> N
         scheduler.update_from_output(out, model.execute(scheduler, out))
     running = list(scheduler.running)
     assert len(running) == len(requests) == len(prompts)
+    assert_ran_on(installed, implementation_of(scheduler.kv_cache_manager, hasher))
     allocate = scheduler.kv_cache_manager.allocate_slots
 
     def step() -> None:

@@ -18,6 +18,7 @@ if os.environ.get("KVBLOCKS_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="the vLLM tier needs vllm (pip install 'kvblocks[vllm]')")
 
 import kvblocks.vllm
+from kvblocks.vllm import _state
 from kvblocks.vllm.bench_driver import write_model_dir
 
 
@@ -36,12 +37,19 @@ def plugin() -> Iterator[None]:
         kvblocks.vllm.uninstall()
 
 
+def _unpatched() -> None:
+    """vLLM's own code in place, and no explicit install()/uninstall() remembered: the
+    plugin entry point (register) installs what KVBLOCKS_VLLM says, as in a new process."""
+    kvblocks.vllm.uninstall()
+    _state.explicit = False
+
+
 @pytest.fixture(autouse=True)
 def _vllm_unpatched() -> Iterator[None]:
     """Every test starts and ends with vLLM's own code in place."""
-    kvblocks.vllm.uninstall()
+    _unpatched()
     yield
-    kvblocks.vllm.uninstall()
+    _unpatched()
 
 
 @pytest.fixture(params=[False, True])

@@ -127,7 +127,7 @@ def run(
     :func:`~kvblocks.vllm.bench_driver.drafter_for`'s); synchronously, ``EngineCore``'s
     ``post_step`` hands them to ``update_draft_token_ids`` after each step that ran the
     model (there is no batch queue with speculative decoding here). With ``catch``, an
-    exception ends the run and is its last record, ``("raised", type name)``. With
+    exception ends the run and is its last record, ``("raised", type name, message)``. With
     ``publisher`` (e.g. vLLM's ZMQ publisher), KV events go there instead of into the
     records."""
     pending = sorted(arrivals, key=lambda a: a[0])
@@ -179,7 +179,8 @@ def run(
         except Exception as error:
             if not catch:
                 raise
-            steps.append(("raised", type(error).__name__))  # both managers must raise alike
+            # both managers must raise alike: the same exception, the same message
+            steps.append(("raised", type(error).__name__, str(error)))
             return steps
         steps.append((snap, *outputs, recorder.take(), reset, results, tables))
     else:

@@ -7,6 +7,7 @@ request fell back)."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from vllm.v1.request import Request
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
+from kvblocks.vllm import block_hasher as block_hasher_module
 from kvblocks.vllm.bench_driver import make_request
 from kvblocks.vllm.block_hasher import ALGORITHMS
 
@@ -455,3 +457,59 @@ def test_random_requests_match_vllm(
             del b.block_hashes[truncate_at:]
         assert b.block_hashes == a.block_hashes
     assert fallbacks() == {}
+
+
+# Unexpected errors in kvblocks' own code: vLLM's hasher, the error named.
+
+
+def _boom(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("simulated bug")
+
+
+@pytest.mark.parametrize("where", ["_hash_function_names", "_SeededHasher", "_make_hasher"])
+def test_an_error_building_the_hasher_falls_back(
+    where: str, monkeypatch: pytest.MonkeyPatch, vllm_calls: VllmHashCalls
+) -> None:
+    """What EngineCore.__init__ calls never raises for kvblocks' part: after vLLM's own hasher
+    is built, any error of kvblocks' returns that hasher, counted with the error."""
+    monkeypatch.setattr(block_hasher_module, where, _boom)
+    stock, ours = both_hashers("sha256", 4)
+    assert ours.__module__ == "vllm.v1.core.kv_cache_utils"
+    a, b = pair(stock, ours, list(range(13)))
+    assert b.block_hashes == a.block_hashes
+    assert fallbacks() == {("hasher", "guard_error"): 1}
+    status = kvblocks.vllm.status()
+    assert "hasher" not in status.active
+    assert any("RuntimeError: simulated bug" in text for text in status.fallbacks), status
+
+
+def test_an_error_hashing_a_request_falls_back(
+    monkeypatch: pytest.MonkeyPatch, vllm_calls: VllmHashCalls, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Per request, any error of kvblocks' (here: NONE_HASH lookup at a chain start, and the
+    extra keys of a salted request) hashes that request with vLLM's code, naming the error."""
+    stock, ours = both_hashers("sha256_cbor", 4)
+    _state._logged.clear()  # each reason is logged once per process
+    monkeypatch.setattr(block_hasher_module._SeededHasher, "for_chain_start", _boom)
+    with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
+        a, b = pair(stock, ours, list(range(13)))
+        _check_fallback(a, b, "guard_error")
+        monkeypatch.undo()
+        monkeypatch.setattr(block_hasher_module, "_extra_key_args", _boom)
+        a, b = pair(stock, ours, list(range(13)), cache_salt="salt")
+    _check_fallback(a, b, "guard_error")
+    assert fallbacks() == {("hasher", "guard_error"): 2}
+    assert any("RuntimeError: simulated bug" in t for t in kvblocks.vllm.status().fallbacks)
+    lines = [r for r in caplog.records if "hasher falls back" in r.getMessage()]
+    assert len(lines) == 1  # once per reason
+    assert lines[0].levelno == logging.WARNING
+    assert "RuntimeError: simulated bug" in lines[0].getMessage()
+
+
+def test_bad_field_fallback_names_the_error(vllm_calls: VllmHashCalls) -> None:
+    stock, ours = both_hashers("sha256_cbor", 4)
+    a, b = pair(stock, ours, [1, 2, 3, 2**40, 5])
+    assert b.block_hashes == a.block_hashes
+    (text,) = kvblocks.vllm.status().fallbacks
+    assert text.startswith(f"hasher: {reason_text('bad_field')} (")
+    assert "Error: " in text  # the error's type and message

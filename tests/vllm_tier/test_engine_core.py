@@ -275,6 +275,14 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
 
     import kvblocks.vllm
 
+    if os.environ.get("KVBLOCKS_TEST_FAULT") == "hasher":
+        # A bug in kvblocks' part of the hasher factory, which EngineCore.__init__ calls.
+        from kvblocks.vllm import block_hasher
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("simulated bug in kvblocks' hasher")
+
+        block_hasher._SeededHasher = broken  # type: ignore[assignment,misc]
     before = [vllm.plugins.plugins_loaded, str(kvblocks.vllm.status().mode)]
     write_model_dir(model_dir)
     model_config = ModelConfig(
@@ -411,10 +419,13 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     return result
 
 
-def run_engine(mode: str, tmp_path: Path, layout: str, speculation: str) -> subprocess.Popen[str]:
+def run_engine(
+    mode: str, tmp_path: Path, layout: str, speculation: str, fault: str = ""
+) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "KVBLOCKS_VLLM")}
     env.update(
         KVBLOCKS_VLLM=mode,
+        KVBLOCKS_TEST_FAULT=fault,
         VLLM_TARGET_DEVICE="cpu",
         PYTHONHASHSEED="0",  # one NONE_HASH for both runs: their block hashes compare
         KVBLOCKS_TEST_LAYOUT=layout,
@@ -535,6 +546,30 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
     else:
         assert not any(step["spec_decode_tokens"] for step in stock["scheduler_outputs"])
     assert stock == ours, "vLLM alone != with kvblocks at " + first_difference(stock, ours)
+
+
+def test_engine_core_starts_when_kvblocks_hasher_breaks(tmp_path: Path) -> None:
+    """An unexpected error in kvblocks' part of the hasher factory during EngineCore.__init__:
+    the engine starts and runs on vLLM's hasher (identical hashes), kvblocks' manager still
+    runs, and status() names the fallback with the error."""
+    processes = {
+        "off": run_engine("off", tmp_path, "llama", ""),
+        "all": run_engine("all", tmp_path, "llama", "", fault="hasher"),
+    }
+    results = {}
+    for mode, process in processes.items():
+        log, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, f"KVBLOCKS_VLLM={mode}:\n{log[-4000:]}"
+        results[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    off, on = results["off"], results["all"]
+    assert on["hasher"] == off["hasher"] == "vllm.v1.core.kv_cache_utils"
+    assert on["manager"] == "kvblocks.vllm.kv_cache_manager"
+    assert "hasher on" not in on["status"]
+    assert "fallback x1: hasher: " in on["status"]
+    assert "(RuntimeError: simulated bug in kvblocks' hasher)" in on["status"]
+    assert off["run"] == on["run"], "vLLM alone != with kvblocks at " + first_difference(
+        off["run"], on["run"]
+    )
 
 
 if __name__ == "__main__":

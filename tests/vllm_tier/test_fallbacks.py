@@ -18,15 +18,17 @@ from vllm.v1.kv_cache_interface import (
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
+    KVCacheGroupRole,
     KVCacheGroupSpec,
     MLAAttentionSpec,
     RSWASpec,
     SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
 import kvblocks.vllm
-from kvblocks.vllm import _state, scheduler
+from kvblocks.vllm import _state, kv_cache_manager, scheduler
 from kvblocks.vllm.bench_driver import (
     MAX_MODEL_LEN,
     SchedulerSpec,
@@ -120,22 +122,41 @@ def test_supported_configuration_gets_kvblocks(model_dir: Path) -> None:
     assert dict(_state.fallbacks) == {}
 
 
-CONFIG_CASES = {
-    "kv_connector": setter("kv_transfer_config", object()),
-    "ec_connector": setter("ec_transfer_config", object()),
-    "speculative": setter("speculative_config", SimpleNamespace(method="draft_model")),
-    "context_parallel": setter("parallel_config.prefill_context_parallel_size", 2),
-    "metrics_collector": setter("observability_config.kv_cache_metrics", True),
-    "hash_algo": setter("cache_config.prefix_caching_hash_algo", "md5"),
-    "hash_block_size": setter("cache_config.prefix_match_unit", 32),
-    "scheduler_cls": setter("scheduler_config.scheduler_cls", "my.Scheduler"),
-    "encoder_decoder": setter("model_config.is_encoder_decoder", True),
+#: case -> (the reason it falls back for, the change to the engine's VllmConfig)
+CONFIG_CASES: dict[str, tuple[str, Callable[[Any], None]]] = {
+    "kv_connector": ("kv_connector", setter("kv_transfer_config", object())),
+    "ec_connector": ("ec_connector", setter("ec_transfer_config", object())),
+    "speculative": (
+        "speculative",
+        setter("speculative_config", SimpleNamespace(method="draft_model")),
+    ),
+    "prefill_context_parallel": (
+        "context_parallel",
+        setter("parallel_config.prefill_context_parallel_size", 2),
+    ),
+    "decode_context_parallel": (
+        "context_parallel",
+        setter("parallel_config.decode_context_parallel_size", 2),
+    ),
+    "metrics_collector": (
+        "metrics_collector",
+        setter("observability_config.kv_cache_metrics", True),
+    ),
+    "hash_algo": ("hash_algo", setter("cache_config.prefix_caching_hash_algo", "md5")),
+    "prefix_match_unit": ("hash_block_size", setter("cache_config.prefix_match_unit", 32)),
+    "hisparse_config": (
+        "kv_cache_group_role",
+        setter("attention_config.hisparse_config", object()),
+    ),
+    "scheduler_cls": ("scheduler_cls", setter("scheduler_config.scheduler_cls", "my.Scheduler")),
+    "encoder_decoder": ("encoder_decoder", setter("model_config.is_encoder_decoder", True)),
 }
 
 
-@pytest.mark.parametrize("reason", list(CONFIG_CASES))
-def test_engine_configuration_falls_back(model_dir: Path, reason: str) -> None:
-    assert fell_back(decide(model_dir, CONFIG_CASES[reason]), reason)
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_engine_configuration_falls_back(model_dir: Path, case: str) -> None:
+    reason, change = CONFIG_CASES[case]
+    assert fell_back(decide(model_dir, change), reason)
 
 
 def test_aux_output_falls_back(model_dir: Path) -> None:
@@ -143,19 +164,26 @@ def test_aux_output_falls_back(model_dir: Path) -> None:
     assert fell_back(decide(model_dir, aux), "aux_output")
 
 
-MANAGER_CASES: dict[str, dict[str, Any]] = {
-    "hash_block_size": {"hash_block_size": 8},
-    "context_parallel": {"dcp_world_size": 2},
-    "metrics_collector": {"metrics_collector": object()},
-    "manager_argument": {"an_argument_from_a_later_vllm": True},
+#: case -> (the reason it falls back for, the KVCacheManager arguments that differ)
+MANAGER_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "hash_block_size": ("hash_block_size", {"hash_block_size": 8}),
+    "dcp_world_size": ("context_parallel", {"dcp_world_size": 2}),
+    "pcp_world_size": ("context_parallel", {"pcp_world_size": 2}),
+    "metrics_collector": ("metrics_collector", {"metrics_collector": object()}),
+    "manager_argument": ("manager_argument", {"an_argument_from_a_later_vllm": True}),
     # vLLM's own manager raises for these; kvblocks steps aside so that it does.
-    "vllm_rejects": {"use_eagle": True, "num_prefill_lookahead": 32},
+    "prefill_lookahead_past_a_block": (
+        "vllm_rejects",
+        {"use_eagle": True, "num_prefill_lookahead": 32},
+    ),
+    "negative_watermark": ("vllm_rejects", {"watermark": -0.1}),
 }
 
 
-@pytest.mark.parametrize("reason", list(MANAGER_CASES))
-def test_manager_arguments_fall_back(model_dir: Path, reason: str) -> None:
-    assert fell_back(decide(model_dir, **MANAGER_CASES[reason]), reason)
+@pytest.mark.parametrize("case", list(MANAGER_CASES))
+def test_manager_arguments_fall_back(model_dir: Path, case: str) -> None:
+    reason, kwargs = MANAGER_CASES[case]
+    assert fell_back(decide(model_dir, **kwargs), reason)
 
 
 @pytest.mark.parametrize(
@@ -199,7 +227,14 @@ SUPPORTED_LAYOUTS = {
     "two full groups": lambda: kv_cache_config(full(), full()),
     "MLA": lambda: kv_cache_config(mla()),
     "chunked local + full": lambda: kv_cache_config(chunked(), full()),
+    "sliding window, retention interval 32": lambda: retained(32, sliding()),
 }
+
+
+def retained(interval: int, *specs: Any) -> KVCacheConfig:
+    config = kv_cache_config(*specs)
+    config.prefix_cache_retention_interval = interval
+    return config
 
 
 @pytest.mark.parametrize("layout", list(SUPPORTED_LAYOUTS))
@@ -213,38 +248,183 @@ class LaterSlidingWindowSpec(SlidingWindowSpec):
     """A spec subclass vLLM might add: not on the allowlist, whatever it inherits."""
 
 
-def test_kv_cache_layouts_fall_back(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    mixed = kv_cache_config(full(16), sliding(32))
-    assert fell_back(decide(model_dir, kv_cache_config=mixed), "hash_block_size")
-    subclass = LaterSlidingWindowSpec(
+def _role(role: KVCacheGroupRole) -> KVCacheConfig:
+    config = kv_cache_config(full())
+    config.kv_cache_groups[0].role = role
+    return config
+
+
+def _host_resident() -> KVCacheConfig:
+    config = kv_cache_config(full())
+    config.kv_cache_groups[0].host_resident = True
+    return config
+
+
+def _hisparse_host_pool() -> KVCacheConfig:
+    config = kv_cache_config(full())
+    config.hisparse_host_num_blocks = 8
+    return config
+
+
+def _subclass() -> KVCacheConfig:
+    spec = LaterSlidingWindowSpec(
         block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64
     )
-    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(subclass)), "kv_cache_spec")
-    cross = CrossAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(cross)), "kv_cache_spec")
-    sink = SinkFullAttentionSpec(
-        block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sink_len=4
-    )
-    assert fell_back(decide(model_dir, kv_cache_config=kv_cache_config(sink)), "kv_cache_spec")
-    eagle_chunked = kv_cache_config(chunked(), full())
-    assert fell_back(
-        decide(model_dir, kv_cache_config=eagle_chunked, use_eagle=True), "kv_cache_spec"
-    )
-    host = kv_cache_config(full())
-    host.kv_cache_groups[0].host_resident = True
-    assert fell_back(decide(model_dir, kv_cache_config=host), "kv_cache_group_role")
-    # vLLM refuses a retention interval that cannot apply (no sliding window here).
-    retained = kv_cache_config(full())
-    retained.prefix_cache_retention_interval = 16
-    assert fell_back(decide(model_dir, kv_cache_config=retained), "vllm_rejects")
-    empty = kv_cache_config()
-    assert fell_back(decide(model_dir, kv_cache_config=empty), "kv_cache_groups")
+    return kv_cache_config(spec)
+
+
+def _spec(cls: Any, **kwargs: Any) -> Callable[[], KVCacheConfig]:
+    common = {"block_size": 16, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32}
+    return lambda: kv_cache_config(cls(**common, **kwargs))
+
+
+def _replaying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix-cacheable spec that replays tokens (the guard must look at both)."""
+    monkeypatch.setattr(SlidingWindowSpec, "prefix_replay_tokens", property(lambda self: 8))
+
+
+def _mamba_without_zeroing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mamba layers, with zeroing reported off: has_mamba_layers alone must refuse."""
+    monkeypatch.setattr(KVCacheConfig, "has_mamba_layers", property(lambda self: True))
+    monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: False))
+
+
+def _zeroing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: True))
-    assert fell_back(decide(model_dir), "zeroing")
 
 
-def test_unreadable_configuration_never_raises(model_dir: Path) -> None:
-    assert fell_back(decide(model_dir, setter("parallel_config", None)), "guard_error")
+#: case -> (the reason it falls back for, its KV-cache config, the KVCacheManager arguments
+#: that differ, a change to vLLM's classes for the test)
+LAYOUT_CASES: dict[
+    str,
+    tuple[
+        str,
+        Callable[[], KVCacheConfig],
+        dict[str, Any],
+        Callable[[pytest.MonkeyPatch], None] | None,
+    ],
+] = {
+    "no group": ("kv_cache_groups", kv_cache_config, {}, None),
+    "mixed block sizes": (
+        "hash_block_size",
+        lambda: kv_cache_config(full(16), sliding(32)),
+        {},
+        None,
+    ),
+    "spec subclass": ("kv_cache_spec", _subclass, {}, None),
+    "cross-attention": ("kv_cache_spec", _spec(CrossAttentionSpec), {}, None),
+    "sink": ("kv_cache_spec", _spec(SinkFullAttentionSpec, sink_len=4), {}, None),
+    "bounded replay": (
+        "kv_cache_spec",
+        _spec(SlidingWindowMLASpec, sliding_window=64, bounded_replay=True),
+        {},
+        None,
+    ),
+    "prefix replay tokens": ("kv_cache_spec", lambda: kv_cache_config(sliding()), {}, _replaying),
+    "EAGLE with chunked local": (
+        "kv_cache_spec",
+        lambda: kv_cache_config(chunked(), full()),
+        {"use_eagle": True},
+        None,
+    ),
+    "host-resident group": ("kv_cache_group_role", _host_resident, {}, None),
+    "HiSparse source role": (
+        "kv_cache_group_role",
+        lambda: _role(KVCacheGroupRole.HISPARSE_SOURCE),
+        {},
+        None,
+    ),
+    "HiSparse indexer role": (
+        "kv_cache_group_role",
+        lambda: _role(KVCacheGroupRole.HISPARSE_INDEXER),
+        {},
+        None,
+    ),
+    "HiSparse host pool": ("kv_cache_group_role", _hisparse_host_pool, {}, None),
+    "Mamba layers": ("zeroing", lambda: kv_cache_config(full()), {}, _mamba_without_zeroing),
+    "zeroing": ("zeroing", lambda: kv_cache_config(full()), {}, _zeroing),
+    # vLLM refuses a retention interval that cannot apply.
+    "retention without a window": ("vllm_rejects", lambda: retained(16, full()), {}, None),
+    "negative retention": ("vllm_rejects", lambda: retained(-16, full(), sliding()), {}, None),
+    "retention not a multiple of the block size": (
+        "vllm_rejects",
+        lambda: retained(24, full(), sliding()),
+        {},
+        None,
+    ),
+    "lookahead hashing, sliding window alone": (
+        "lookahead_without_full",
+        lambda: kv_cache_config(sliding()),
+        {"num_hash_lookahead_tokens": 2},
+        None,
+    ),
+    "lookahead hashing, chunked local and a window": (
+        "lookahead_without_full",
+        lambda: kv_cache_config(chunked(), sliding()),
+        {"num_hash_lookahead_tokens": 3},
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_kv_cache_layouts_fall_back(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    reason, config, kwargs, change = LAYOUT_CASES[case]
+    if change is not None:
+        change(monkeypatch)
+    assert fell_back(decide(model_dir, kv_cache_config=config(), **kwargs), reason)
+
+
+@pytest.mark.parametrize(
+    ("layout", "kwargs"),
+    [
+        ("one lookahead token", {"num_hash_lookahead_tokens": 1}),
+        ("lookahead hashing with full attention", {"num_hash_lookahead_tokens": 3}),
+        (
+            "lookahead hashing, caching off",
+            {"num_hash_lookahead_tokens": 3, "enable_caching": False},
+        ),
+    ],
+)
+def test_lookahead_hashing_runs_where_exact(
+    model_dir: Path, layout: str, kwargs: dict[str, Any]
+) -> None:
+    config = kv_cache_config(sliding(), full()) if "full" in layout else kv_cache_config(sliding())
+    assert isinstance(decide(model_dir, kv_cache_config=config, **kwargs), KVCacheManager)
+    assert dict(_state.fallbacks) == {}
+
+
+def guard_error_text() -> str:
+    """status()'s text of the manager's guard-error fallback (with the error)."""
+    (text,) = kvblocks.vllm.status().fallbacks
+    assert text.startswith(f"kv_cache_manager: {_state.Reason.GUARD_ERROR.text} (")
+    return text
+
+
+def test_unreadable_configuration_never_raises(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _state._logged.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
+        assert fell_back(decide(model_dir, setter("parallel_config", None)), "guard_error")
+    error = "AttributeError: 'NoneType' object has no attribute"
+    assert error in guard_error_text()
+    (line,) = [r for r in caplog.records if "falls back" in r.getMessage()]
+    assert line.levelno == logging.WARNING
+    assert error in line.getMessage()
+
+
+def test_unreadable_manager_arguments_never_raise(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(kwargs: dict[str, Any]) -> None:
+        raise KeyError("kv_cache_groups")
+
+    monkeypatch.setattr(kv_cache_manager, "unsupported_manager_arguments", broken)
+    assert fell_back(decide(model_dir), "guard_error")
+    assert "(KeyError: 'kv_cache_groups')" in guard_error_text()
 
 
 def test_real_scheduler_with_an_rswa_spec_runs_on_vllm(
@@ -291,3 +471,4 @@ def test_an_error_building_kvblocks_manager_falls_back(
 
     monkeypatch.setattr(scheduler, "KVCacheManager", broken)
     assert fell_back(decide(model_dir), "guard_error")
+    assert "(RuntimeError: simulated bug)" in guard_error_text()

@@ -3,6 +3,7 @@ manager: the same scripts, compared step by step (the harness: ``harness.py``)."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvblocks.vllm import _state
 from kvblocks.vllm.bench_driver import SchedulerSpec, make_request
 from kvblocks.vllm.block_hasher import ALGORITHMS
 from tests.vllm_tier.harness import (
@@ -121,7 +123,12 @@ def test_random_scripts(model_dir: Path, script: Script) -> None:
 
 def test_zmq_event_stream_is_identical(model_dir: Path) -> None:
     """vLLM's own ZMQ KV-event publisher (what KV-aware routers subscribe to), on loopback:
-    the batches a subscriber receives are the same with either manager."""
+    the batches a subscriber receives are the same with either manager.
+
+    PUB/SUB drops what is sent before the connection and the subscription are up (the slow
+    joiner), so before the run the test publishes marker batches until one arrives, and after
+    it an end marker, reading until that arrives; the sequence numbers in between must have no
+    gap, so nothing was dropped."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
@@ -132,32 +139,57 @@ def test_zmq_event_stream_is_identical(model_dir: Path) -> None:
     script.resets = [199]
     context = zmq.Context.instance()
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    hello, end = -1.0, -2.0  # the markers' timestamps (the scheduler's are times)
+    timeout = 60.0  # seconds, generous for a loaded machine
+
+    def receive(subscriber: Any, deadline: float) -> tuple[int, KVEventBatch] | None:
+        if not subscriber.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            return None
+        topic, seq, payload = subscriber.recv_multipart()
+        assert topic == b"kv"
+        return int.from_bytes(seq, "big"), decoder.decode(payload)
 
     def play_to_subscriber(scheduler: Scheduler, hasher: Hasher) -> list[Any]:
         subscriber = context.socket(zmq.SUB)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+        subscriber.setsockopt(zmq.RCVHWM, 0)  # keep everything until read
         port = subscriber.bind_to_random_port("tcp://127.0.0.1")
         publisher = ZmqEventPublisher(0, endpoint=f"tcp://127.0.0.1:{port}", topic="kv")
         try:
-            hello = subscriber.poll(100)  # let the connection settle before publishing
-            assert hello == 0
+            deadline = time.monotonic() + timeout
+            received = None
+            while received is None:  # until a marker gets through: connected and subscribed
+                assert time.monotonic() < deadline, "no marker reached the subscriber"
+                publisher.publish(KVEventBatch(ts=hello, events=[]))
+                received = receive(subscriber, min(deadline, time.monotonic() + 0.1))
+            seqs = [received[0]]
             arrivals = [
                 (r.step, make_request(f"r{i}", r.prompt, hasher, max_tokens=r.max_tokens))
                 for i, r in enumerate(script.requests)
             ]
             run(scheduler, arrivals, resets=script.resets, publisher=publisher)
+            publisher.publish(KVEventBatch(ts=end, events=[]))
             batches = []
-            while subscriber.poll(1000):
-                topic, _seq, payload = subscriber.recv_multipart()
-                assert topic == b"kv"
-                batch = decoder.decode(payload)
-                batches.append([(type(e).__name__, msgspec.to_builtins(e)) for e in batch.events])
+            deadline = time.monotonic() + timeout
+            while True:
+                received = receive(subscriber, deadline)
+                assert received is not None, "the end marker did not arrive"
+                seq, batch = received
+                seqs.append(seq)
+                if batch.ts == end:
+                    break
+                if batch.ts != hello:  # markers still in flight from the handshake
+                    batches.append(
+                        [(type(e).__name__, msgspec.to_builtins(e)) for e in batch.events]
+                    )
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a batch was dropped"
             return batches
         finally:
             publisher.shutdown()
             subscriber.close(linger=0)
 
     stock, ours = on_each_manager(model_dir, spec, play_to_subscriber)
+    assert not _state.fallbacks, "kvblocks' manager and hasher must both run"
     assert len(stock) > 10
     flat = [event for batch in stock for event in batch]
     assert {event[0] for event in flat} >= {"BlockStored", "BlockRemoved", "AllBlocksCleared"}

@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import vllm.plugins
 from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.sched import scheduler as scheduler_module
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
@@ -113,10 +116,100 @@ def test_one_info_line_says_what_is_active(caplog: pytest.LogCaptureFixture) -> 
 
 def test_status_str_names_parts_and_fallbacks() -> None:
     kvblocks.vllm.install()
+    _state.fallbacks.clear()
     block_hasher("sha256", 16)
+
+    def custom_hash(obj: object) -> bytes:
+        return b"\0" * 32
+
+    kv_cache_utils.get_request_block_hasher(16, custom_hash)  # a function kvblocks lacks
+    kv_cache_utils.get_request_block_hasher(16, custom_hash)
     text = str(kvblocks.vllm.status())
     assert "mode=all" in text
     assert "hasher on sha256" in text
+    reason = _state.Reason.HASH_FN.text
+    assert f"\n  fallback x2: hasher: {reason}" in text, text
+
+
+# An explicit install()/uninstall() wins over the plugin entry point.
+
+
+def test_explicit_uninstall_wins_over_the_entry_point(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After uninstall() in a notebook, the first engine's plugin loading installs nothing,
+    and says so once."""
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setenv("KVBLOCKS_VLLM", "all")
+    kvblocks.vllm.uninstall()
+    _state._logged.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
+        load_plugins(monkeypatch)
+        load_plugins(monkeypatch)
+    assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
+    assert kvblocks.vllm.status().mode == "off"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "kvblocks: KVBLOCKS_VLLM=all not applied: install()/uninstall() chose mode=off in this "
+        "process"
+    ]
+
+
+def test_explicit_install_wins_over_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setenv("KVBLOCKS_VLLM", "all")
+    kvblocks.vllm.install("hasher")
+    load_plugins(monkeypatch)
+    assert kvblocks.vllm.status().mode == "hasher"
+    assert kv_cache_utils.get_request_block_hasher.__module__ == OURS
+    assert scheduler_module.KVCacheManager is VllmKVCacheManager  # "all" was not installed
+    # An explicit install() still replaces an explicit install().
+    kvblocks.vllm.install("all")
+    assert scheduler_module.KVCacheManager is not VllmKVCacheManager
+
+
+# One part failing to install leaves the others, and says why.
+
+
+def test_a_part_that_fails_to_install_falls_back_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The manager part's import fails (as if vLLM's scheduler module moved): the hasher
+    stays installed, vLLM's scheduler is untouched, and status() names the error."""
+    monkeypatch.delattr(kvblocks.vllm, "scheduler")
+    monkeypatch.setitem(sys.modules, "kvblocks.vllm.scheduler", None)  # its import raises
+    monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
+    _state.fallbacks.clear()
+    _state._logged.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
+        kvblocks.vllm.register()  # as vLLM loads it: never raises
+    status = kvblocks.vllm.status()
+    assert status.mode == "all"
+    assert kv_cache_utils.get_request_block_hasher.__module__ == OURS
+    assert scheduler_module.KVCacheManager is VllmKVCacheManager
+    assert not getattr(scheduler_module.Scheduler.__init__, "__kvblocks_wrapped__", False)
+    assert dict(_state.fallbacks) == {("kv_cache_manager", "guard_error"): 1}
+    (text,) = status.fallbacks
+    assert text.startswith("kv_cache_manager: ")
+    assert "(ModuleNotFoundError: import of kvblocks.vllm.scheduler halted" in text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "kv_cache_manager falls back" in warnings[0]
+    assert "ModuleNotFoundError" in warnings[0]
+
+
+def test_a_part_failing_halfway_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hasher part fails after it replaced kv_cache_utils' factory (the engine-core
+    module cannot be patched): that replacement is undone, the manager part stays."""
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.core", SimpleNamespace())
+    _state.fallbacks.clear()
+    status = kvblocks.vllm.install("all")
+    assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
+    assert scheduler_module.KVCacheManager is not VllmKVCacheManager
+    assert "hasher" not in status.active
+    assert dict(_state.fallbacks) == {("hasher", "guard_error"): 1}
+    (text,) = status.fallbacks
+    assert "(AttributeError: " in text
 
 
 def test_import_kvblocks_does_not_import_vllm() -> None:
@@ -164,17 +257,20 @@ def test_scheduler_run_identical_with_plugin(model_dir: Path, algo: str, num_blo
     stock, ours = both(model_dir, script, seed="7")
     assert len(stock) > 20
     assert_same(stock, ours)
-    assert dict(_state.fallbacks) == {}
     if num_blocks == 40:  # the small pool must have preempted someone
         assert any(step[0][5] for step in stock[:-1])
+
+
+BENCH_ARGV = ["bench", "--engine", "vllm", "--num-requests", "12", "--prefix-len", "40"]
+BENCH_ARGV += ["--suffix-len", "9", "--output-len", "5", "--rounds", "1", "--num-blocks", "256"]
 
 
 def test_kvblocks_bench_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     from kvblocks.cli import main
 
-    argv = ["bench", "--engine", "vllm", "--num-requests", "12", "--prefix-len", "40"]
-    argv += ["--suffix-len", "9", "--output-len", "5", "--rounds", "1", "--num-blocks", "256"]
-    assert main(argv) == 0
+    _state.fallbacks.clear()
+    assert main(BENCH_ARGV) == 0
+    assert dict(_state.fallbacks) == {}  # the kvblocks side ran on kvblocks throughout
     out, err = capsys.readouterr()
     # vLLM's warnings, repeated at every run, are summed up after the progress bar, and
     # kvblocks' own INFO lines are shown there.
@@ -219,4 +315,32 @@ def test_kvblocks_bench_engine_vllm_layout(
     out = capsys.readouterr().out
     assert f"KV-cache layout {layout}: {groups} (128 per group)" in out
     assert "scheduler outputs: identical in every run" in out
-    assert not any(part == "kv_cache_manager" for part, _ in _state.fallbacks)
+    assert dict(_state.fallbacks) == {}
+
+
+@pytest.mark.parametrize("part", ["kv_cache_manager", "hasher"])
+def test_kvblocks_bench_engine_vllm_fails_when_kvblocks_did_not_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """Were a part to fall back, "with kvblocks" would be stock vLLM: no report, an error."""
+    from kvblocks.cli import main
+    from kvblocks.vllm import block_hasher as block_hasher_module
+    from kvblocks.vllm import scheduler
+
+    if part == "kv_cache_manager":
+        refuse = lambda *args, **kwargs: _state.Reason.KV_CONNECTOR  # noqa: E731
+        monkeypatch.setattr(scheduler, "unsupported_config", refuse)
+        ran = "manager vllm.v1.core.kv_cache_manager, hasher kvblocks.vllm.block_hasher"
+        reason = _state.Reason.KV_CONNECTOR.text
+    else:
+        monkeypatch.setattr(block_hasher_module, "_hash_function_names", dict)
+        ran = "manager kvblocks.vllm.kv_cache_manager, hasher vllm.v1.core.kv_cache_utils"
+        reason = _state.Reason.HASH_FN.text
+    assert main(BENCH_ARGV) == 2
+    out, err = capsys.readouterr()
+    assert "scheduler-side CPU time" not in out
+    assert (
+        "kvblocks: error: the 'with kvblocks' side of the comparison did not run on kvblocks "
+        f"(ran on {ran}; fell back to vLLM's code: {part}: {reason})"
+    ) in err
+    assert kvblocks.vllm.status().mode == "off"

@@ -11,8 +11,10 @@ request's block table, and any exception raised (an exception ends a run and is 
 
 from __future__ import annotations
 
+import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,8 @@ def both(
 
 
 def raised(records: list[Any]) -> str | None:
-    """The name of the exception that ended the run, if one did."""
+    """The name of the exception that ended the run, if one did (its message is in the record
+    too, and compared)."""
     return records[-1][1] if records[-1][:1] == ("raised",) else None
 
 
@@ -239,8 +242,9 @@ def test_reset_with_session_waiting_for_input(model_dir: Path, async_scheduling:
         }
 
     stock, ours = both(model_dir, spec, actions)
-    assert_same(stock, ours)
+    assert_same(stock, ours)  # the exception's message included
     assert raised(stock) == "RuntimeError"
+    assert stock[-1][2].startswith("Failed to reset KV cache even when all the running requests")
 
 
 def reset_unless_paused_session() -> Action:
@@ -446,7 +450,9 @@ def test_small_max_model_len(model_dir: Path, kv_events: bool) -> None:
 
 
 @pytest.mark.parametrize("kv_events", [False, True])
-def test_prompt_longer_than_max_model_len(model_dir: Path, kv_events: bool) -> None:
+def test_prompt_longer_than_max_model_len(
+    model_dir: Path, kv_events: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """vLLM's input processor rejects such prompts; the scheduler alone still takes them.
 
     A deliberate divergence with KV events on (docs/vllm.md, "Where kvblocks differs"):
@@ -461,13 +467,15 @@ def test_prompt_longer_than_max_model_len(model_dir: Path, kv_events: bool) -> N
         rng = random.Random(31)
         return {0: [add("long", tokens(rng, 42), 3)], 3: [add("next", tokens(rng, 9), 2)]}
 
-    stock, ours = both(model_dir, spec, actions)
+    with outgrown_warnings(caplog) as warnings:
+        stock, ours = both(model_dir, spec, actions)
     assert_same_until_vllm_crashes(stock, ours, kv_events)
+    assert_warned(warnings, "long", kv_events)
 
 
 @pytest.mark.parametrize("kv_events", [False, True])
 def test_streaming_session_beyond_max_model_len(
-    model_dir: Path, kv_events: bool, async_scheduling: bool
+    model_dir: Path, kv_events: bool, async_scheduling: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each chunk passes the input processor's check (shorter than ``max_model_len``), but
     the session's accumulated tokens outgrow it.
@@ -489,8 +497,38 @@ def test_streaming_session_beyond_max_model_len(
             20: [add("t", tokens(rng, 9), 2)],
         }
 
-    stock, ours = both(model_dir, spec, actions)
+    with outgrown_warnings(caplog) as warnings:
+        stock, ours = both(model_dir, spec, actions)
     assert_same_until_vllm_crashes(stock, ours, kv_events)
+    assert_warned(warnings, "s", kv_events)
+
+
+@contextmanager
+def outgrown_warnings(caplog: pytest.LogCaptureFixture) -> Iterator[list[str]]:
+    """The WARNING lines kvblocks logs in the block, with the once-per-process memory of the
+    max_model_len warning cleared first."""
+    _state._logged.discard("outgrown_max_model_len")
+    lines: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
+        start = len(caplog.records)
+        yield lines
+        lines += [
+            r.getMessage()
+            for r in caplog.records[start:]
+            if r.name == "vllm.kvblocks" and r.levelno == logging.WARNING
+        ]
+
+
+def assert_warned(warnings: list[str], request_id: str, kv_events: bool) -> None:
+    """With KV events, where vLLM crashes, kvblocks said so once, naming the request; without
+    them (vLLM and kvblocks identical) nothing."""
+    if not kv_events:
+        assert warnings == []
+        return
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"kvblocks: request {request_id!r} has ")
+    assert "outgrew max_model_len=32" in warnings[0]
+    assert "stock vLLM with KV events on would raise IndexError out of schedule()" in warnings[0]
 
 
 def assert_same_until_vllm_crashes(stock: list[Any], ours: list[Any], kv_events: bool) -> None:
@@ -639,39 +677,64 @@ def test_random_mixes(model_dir: Path, seed: int) -> None:
     spec, lag, actions = random_case(seed)
     stock, ours = both(model_dir, spec, actions, lag=lag)
     assert_same(stock, ours)
+    # The mixes avoid what makes vLLM raise (a reset preempting a paused session): a run
+    # that raised would compare only the steps before it.
+    assert raised(stock) is None, stock[-1]
 
 
-def test_window_hit_search_past_lookahead_hashes() -> None:
-    """The second documented divergence (docs/vllm.md, "Where kvblocks differs"): with
-    lookahead hashing of two or more tokens a request has fewer block hashes than full blocks,
-    and in a layout without full attention vLLM's sliding-window hit search indexes past
-    ``block_hashes`` and raises IndexError; kvblocks' search stops at the last hash."""
+@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local"])
+def test_lookahead_hashing_without_full_attention_falls_back(kind: str) -> None:
+    """What was the second documented divergence: with lookahead hashing of two or more tokens
+    a request has fewer block hashes than full blocks, and in a layout without full attention
+    vLLM's sliding-window and chunked-local hit searches index past ``block_hashes`` and raise
+    IndexError. kvblocks refuses that configuration, so vLLM's manager (and its error) stay;
+    one lookahead token, or a full-attention group in the layout, runs on kvblocks."""
     import torch
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
     from kvblocks.vllm.kv_cache_manager import KVCacheManager
+    from kvblocks.vllm.support import Unsupported
 
-    window = SlidingWindowSpec(
-        block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8
-    )
-    config = KVCacheConfig(
-        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], window)]
-    )
-    kwargs: dict[str, Any] = {
-        "kv_cache_config": config,
-        "max_model_len": 64,
-        "scheduler_block_size": 4,
-        "hash_block_size": 4,
-        "num_hash_lookahead_tokens": 2,
+    common: dict[str, Any] = {
+        "block_size": 4,
+        "num_kv_heads": 1,
+        "head_size": 1,
+        "dtype": torch.float32,
     }
+    spec: Any = (
+        SlidingWindowSpec(**common, sliding_window=8)
+        if kind == "sliding_window"
+        else ChunkedLocalAttentionSpec(**common, attention_chunk_size=8)
+    )
+
+    def kwargs(*specs: Any, lookahead: int = 2) -> dict[str, Any]:
+        groups = [KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
+        config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+        return {
+            "kv_cache_config": config,
+            "max_model_len": 64,
+            "scheduler_block_size": 4,
+            "hash_block_size": 4,
+            "num_hash_lookahead_tokens": lookahead,
+        }
+
     kv_cache_utils.init_none_hash(sha256)
     hasher = kv_cache_utils.get_request_block_hasher(4, sha256, 2)
-    request = make_request("r", list(range(9)), hasher)
-    assert len(request.block_hashes) == 1  # block 1 (tokens 4..8) waits for tokens 8 and 9
-    with pytest.raises(IndexError):
-        VllmKVCacheManager(**kwargs).get_computed_blocks(request)
-    blocks, num_tokens, _ = KVCacheManager(**kwargs).get_computed_blocks(request)
-    assert (blocks.get_block_ids(), num_tokens) == (([],), 0)
+    request = make_request("r", list(range(13)), hasher)
+    assert len(request.block_hashes) == 2  # block 2 (tokens 8..11) waits for tokens 12 and 13
+    with pytest.raises(IndexError):  # why kvblocks steps aside
+        VllmKVCacheManager(**kwargs(spec)).get_computed_blocks(request)
+    with pytest.raises(Unsupported) as refused:
+        KVCacheManager(**kwargs(spec))
+    assert refused.value.reason == _state.Reason.LOOKAHEAD_WITHOUT_FULL
+    assert isinstance(KVCacheManager(**kwargs(spec, lookahead=1)), KVCacheManager)
+    assert isinstance(KVCacheManager(**kwargs(spec, FullAttentionSpec(**common))), KVCacheManager)

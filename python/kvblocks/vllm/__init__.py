@@ -18,6 +18,7 @@ ported from (:mod:`kvblocks.vllm.fingerprints`). Importing this module does not 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -132,11 +133,22 @@ def install(mode: str = "all") -> Status:
     Replaces what a previous call installed. Raises ``ValueError`` for an unknown mode and
     ``ImportError`` when vLLM is missing or outside :data:`SUPPORTED_VLLM`. A part whose vLLM
     sources differ from those it was ported from (:mod:`kvblocks.vllm.fingerprints`) is not
-    installed: it falls back, with one log line naming the files, and :func:`status` says so.
+    installed: it falls back, with one log line naming the files, and :func:`status` says so;
+    so does a part whose installation fails (``guard_error``, with the error), the other
+    parts staying installed.
+
+    An explicit call (this, or :func:`uninstall`) wins over the plugin entry point: once it
+    ran, :func:`register` (an engine starting in this process) leaves the mode it chose.
     """
+    status_now = _install(mode)
+    _state.explicit = True
+    return status_now
+
+
+def _install(mode: str) -> Status:
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    uninstall()
+    _uninstall()
     if mode == "off":
         return status()
     version = _vllm_version()
@@ -151,17 +163,18 @@ def install(mode: str = "all") -> Status:
 
     # A part whose vLLM sources are not the ones it was ported from leaves vLLM's code in place.
     stale = fingerprints.check(version)
-    if "hasher" in stale:
-        _state.fall_back("hasher", *stale["hasher"])
-    else:
-        _install_hasher()
+    parts = [("hasher", _install_hasher)]
     if mode == "all":
-        if "kv_cache_manager" in stale:
-            _state.fall_back("kv_cache_manager", *stale["kv_cache_manager"])
-        else:
-            from kvblocks.vllm import scheduler
-
-            scheduler.install()
+        parts.append(("kv_cache_manager", _install_manager))
+    for part, install_part in parts:
+        if part in stale:
+            _state.fall_back(part, *stale[part])
+            continue
+        try:
+            install_part()
+        except Exception as error:  # one part failing leaves the others (and vLLM) working
+            _state.restore(part)
+            _state.fall_back(part, _state.Reason.GUARD_ERROR, _state.error_detail(error))
     _state.mode = mode
     _state.logger().info("kvblocks: installed into vLLM %s (mode=%s)", version, mode)
     return status()
@@ -172,34 +185,58 @@ def _install_hasher() -> None:
 
     from kvblocks.vllm.block_hasher import get_request_block_hasher
 
-    _state.patch(kv_cache_utils, "get_request_block_hasher", get_request_block_hasher)
+    _state.patch(kv_cache_utils, "get_request_block_hasher", get_request_block_hasher, "hasher")
     # vllm.v1.engine.core imports the name itself; a later import of it picks up the patched
     # attribute of kv_cache_utils, an earlier one is patched here.
     engine_core = sys.modules.get("vllm.v1.engine.core")
     if engine_core is not None:
-        _state.patch(engine_core, "get_request_block_hasher", get_request_block_hasher)
+        _state.patch(engine_core, "get_request_block_hasher", get_request_block_hasher, "hasher")
+
+
+def _install_manager() -> None:
+    from kvblocks.vllm import scheduler
+
+    scheduler.install()
 
 
 def uninstall() -> Status:
-    """Puts vLLM's own objects back. Hashers already built stay as they are."""
+    """Puts vLLM's own objects back. Hashers already built stay as they are. Like
+    :func:`install`, an explicit call wins over the plugin entry point (:func:`register`)."""
+    _uninstall()
+    _state.explicit = True
+    return status()
+
+
+def _uninstall() -> None:
     _state.restore_all()
     _state.mode = "off"
     _state.loaded = True
-    return status()
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: installs the mode ``KVBLOCKS_VLLM`` names.
 
     Cheap, idempotent, and silent when the mode is ``off``. It never raises: vLLM calls it
-    during start-up, so any problem becomes one warning and vLLM runs unchanged.
+    during start-up, so any problem becomes one warning and vLLM runs unchanged. After an
+    explicit :func:`install` or :func:`uninstall` in this process it changes nothing (one
+    INFO line says so when ``KVBLOCKS_VLLM`` asks for another mode).
     """
     _state.loaded = True
     mode = _configured_mode()
     if mode == _state.mode:
         return
+    if _state.explicit:
+        _state.log_once(
+            "register:explicit",
+            logging.INFO,
+            "kvblocks: %s=%s not applied: install()/uninstall() chose mode=%s in this process",
+            ENV_VAR,
+            mode,
+            _state.mode,
+        )
+        return
     try:
-        install(mode)
+        _install(mode)
     except Exception as error:  # never break vLLM's start-up
         _state.restore_all()
         _state.mode = "off"

@@ -10,19 +10,24 @@ from enum import StrEnum
 from typing import Any
 
 _lock = threading.Lock()
-#: (id(target), attribute) -> (target, the vLLM object kvblocks replaced there).
-_patched: dict[tuple[int, str], tuple[Any, Any]] = {}
+#: (id(target), attribute) -> (target, the vLLM object kvblocks replaced there, the part that
+#: replaced it).
+_patched: dict[tuple[int, str], tuple[Any, Any, str]] = {}
 mode = "off"
 #: Whether vLLM has loaded the plugin (``register``) or ``install``/``uninstall`` ran in this
 #: process: until then ``mode`` is "off" only because nothing happened yet.
 loaded = False
+#: Whether ``install``/``uninstall`` was called explicitly (a notebook, a test, a benchmark):
+#: then the plugin entry point (``register``) leaves the mode it chose alone.
+explicit = False
 #: part -> what it runs on ("sha256_cbor", ...), for the parts that are active.
 active: dict[str, str] = {}
 #: (part, reason) -> how often that part fell back to vLLM's code for that reason.
 fallbacks: Counter[tuple[str, str]] = Counter()
 #: (part, reason) -> what the reason's text leaves out (e.g. which vLLM files changed).
 details: dict[tuple[str, str], str] = {}
-_logged: set[tuple[str, str]] = set()
+#: What was logged once already: (part, reason) of a fallback, or a :func:`log_once` key.
+_logged: set[tuple[str, str] | str] = set()
 
 
 class Reason(StrEnum):
@@ -52,6 +57,7 @@ class Reason(StrEnum):
     SCHEDULER_CLS = "scheduler_cls"
     ENCODER_DECODER = "encoder_decoder"
     MANAGER_ARGUMENT = "manager_argument"
+    LOOKAHEAD_WITHOUT_FULL = "lookahead_without_full"
     VLLM_REJECTS = "vllm_rejects"
     GUARD_ERROR = "guard_error"
     # either part (see kvblocks.vllm.fingerprints)
@@ -67,7 +73,8 @@ _TEXTS = {
     Reason.HASH_FN: "a prefix-caching hash function kvblocks does not implement",
     Reason.NONE_HASH: "kvblocks' NONE_HASH differs from vllm's kv_cache_utils.NONE_HASH",
     Reason.PROMPT_EMBEDS: "a request with prompt_embeds",
-    Reason.MM_LAYOUT: "multimodal items that overlap or are not sorted by position",
+    Reason.MM_LAYOUT: "multimodal items whose ends are not sorted (an item ends before the "
+    "one listed before it)",
     Reason.PICKLE_IDENTITY: "pickle-based hash with extra-key strings shared by identity",
     Reason.BAD_FIELD: "a request field or argument kvblocks cannot read (type or range)",
     Reason.KV_CACHE_GROUPS: "no KV-cache group (an attention-free model)",
@@ -88,8 +95,11 @@ _TEXTS = {
     Reason.SCHEDULER_CLS: "a custom scheduler class",
     Reason.ENCODER_DECODER: "an encoder-decoder model",
     Reason.MANAGER_ARGUMENT: "a KVCacheManager argument kvblocks does not know",
+    Reason.LOOKAHEAD_WITHOUT_FULL: "lookahead hashing of two or more tokens without a "
+    "full-attention group (vLLM's sliding-window and chunked-local hit searches then index "
+    "past the request's block hashes and raise)",
     Reason.VLLM_REJECTS: "a configuration vLLM's own manager rejects (vLLM raises its error)",
-    Reason.GUARD_ERROR: "the configuration could not be read",
+    Reason.GUARD_ERROR: "an unexpected error in kvblocks' own code or in reading the configuration",
     Reason.VLLM_SOURCES: "the vLLM sources it reproduces differ from the release it was ported "
     "from",
     Reason.VLLM_UNKNOWN: "no usable fingerprints of this vLLM release's sources",
@@ -116,20 +126,30 @@ def original_or_current(target: Any, name: str) -> Any:
     return entry[1] if entry is not None else getattr(target, name)
 
 
-def patch(target: Any, name: str, replacement: Any) -> None:
-    """Sets ``target.name`` (a module global or a class attribute) to ``replacement``,
-    remembering vLLM's own object."""
+def patch(target: Any, name: str, replacement: Any, part: str) -> None:
+    """Sets ``target.name`` (a module global or a class attribute) to ``replacement`` for
+    ``part``, remembering vLLM's own object."""
     with _lock:
         key = (id(target), name)
         if key not in _patched:
-            _patched[key] = (target, getattr(target, name))
+            _patched[key] = (target, getattr(target, name), part)
         setattr(target, name, replacement)
+
+
+def restore(part: str) -> None:
+    """Puts back what ``part`` replaced (a part that failed to install) and marks it inactive."""
+    with _lock:
+        for key, (target, original, owner) in list(_patched.items()):
+            if owner == part:
+                setattr(target, key[1], original)
+                del _patched[key]
+        active.pop(part, None)
 
 
 def restore_all() -> None:
     """Puts back every object kvblocks replaced and forgets what was active."""
     with _lock:
-        for (_, name), (target, original) in _patched.items():
+        for (_, name), (target, original, _part) in _patched.items():
             setattr(target, name, original)
         _patched.clear()
         active.clear()
@@ -148,13 +168,29 @@ def describe(part: str, reason: str) -> str:
     return f"{text} ({detail})" if detail else text
 
 
+def error_detail(error: BaseException) -> str:
+    """What went wrong, for a :attr:`Reason.GUARD_ERROR` fallback: ``"RuntimeError: ..."``."""
+    return f"{type(error).__name__}: {error}"
+
+
 def fall_back(part: str, reason: str, detail: str | None = None) -> None:
-    """Counts a fallback to vLLM's own code; the first one of each kind is logged."""
+    """Counts a fallback to vLLM's own code; the first one of each kind is logged (INFO; a
+    WARNING for :attr:`Reason.GUARD_ERROR`, an error kvblocks did not expect)."""
     fallbacks[(part, reason)] += 1
     if detail:
         details[(part, reason)] = detail
     if (part, reason) not in _logged:
         _logged.add((part, reason))
-        logger().info(
-            "kvblocks: %s falls back to vLLM's own code: %s", part, describe(part, reason)
+        level = logging.WARNING if reason == Reason.GUARD_ERROR else logging.INFO
+        logger().log(
+            level, "kvblocks: %s falls back to vLLM's own code: %s", part, describe(part, reason)
         )
+
+
+def log_once(key: str, level: int, message: str, *args: Any) -> None:
+    """Logs ``message`` the first time ``key`` is seen in this process."""
+    with _lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    logger().log(level, message, *args)

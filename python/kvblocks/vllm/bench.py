@@ -3,7 +3,10 @@ process, same workload, driven by a fake model on the CPU (see :mod:`kvblocks.vl
 
 Each side runs ``rounds`` times without timers (the median is compared) and once more with a
 timer on every hasher and KV-cache-manager call (where the time goes). The scheduler outputs
-of every run must be identical, or the comparison reports it.
+of every run must be identical, or the comparison reports it. Every run of the kvblocks side
+must have run on kvblocks' KV-cache manager and hasher, with no fallback to vLLM's code (and
+every stock run on vLLM's), or :func:`compare` raises :class:`NotOnKvblocks`: a kvblocks side
+that fell back would compare stock vLLM with itself.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvblocks.vllm
+from kvblocks.vllm import _state
 from kvblocks.vllm.bench_driver import (
     SchedulerSpec,
     Timings,
@@ -27,6 +31,7 @@ from kvblocks.vllm.bench_driver import (
 __all__ = [
     "IMPLS",
     "Comparison",
+    "NotOnKvblocks",
     "SchedulerSpec",
     "Side",
     "Workload",
@@ -68,6 +73,13 @@ def prepare(spec: SchedulerSpec) -> None:
     """Builds vLLM's configuration for ``spec`` once, untimed: its platform checks load
     vLLM's compiled parts and log their start-up warnings here, before the timed runs."""
     make_vllm_config(tiny_model_dir(), spec)
+
+
+class NotOnKvblocks(ValueError):
+    """A side of the comparison did not run on the implementation it names (kvblocks' part
+    fell back for this configuration, or something replaced it). A ``ValueError``: the
+    configuration asked for is one this comparison cannot measure, which the command line
+    reports as an error (exit status 2)."""
 
 
 @dataclass
@@ -120,6 +132,7 @@ def compare(
                 kvblocks.vllm.install("all")
             else:
                 kvblocks.vllm.uninstall()
+            before = dict(_state.fallbacks)
             runs = []
             for _ in range(rounds):
                 runs.append(timed_run(model_dir, spec, workload))
@@ -132,8 +145,29 @@ def compare(
             snapshots.append(instrumented)
             if progress is not None:
                 progress(impl)
+            _check_ran_on(impl, [t for t, _ in runs] + [parts], before)
             sides[impl] = Side(timings, parts)
     finally:
         kvblocks.vllm.uninstall()
     identical = all(s == snapshots[0] for s in snapshots)
     return Comparison(workload, spec, sides, identical)
+
+
+def _check_ran_on(impl: str, runs: list[Timings], fallbacks_before: dict[Any, int]) -> None:
+    """Raises :class:`NotOnKvblocks` unless every run of ``impl``'s side used ``impl``'s
+    KV-cache manager and hasher, and (kvblocks' side) nothing fell back to vLLM's code."""
+    ran = sorted({t.implementation for t in runs} - {impl})
+    fell_back = [
+        f"{part}: {_state.describe(part, reason)}"
+        for (part, reason), count in _state.fallbacks.items()
+        if count > fallbacks_before.get((part, reason), 0)
+    ]
+    if impl == "kvblocks" and (ran or fell_back):
+        problems = [f"ran on {', '.join(ran)}"] if ran else []
+        problems += [f"fell back to vLLM's code: {text}" for text in fell_back]
+        raise NotOnKvblocks(
+            "the 'with kvblocks' side of the comparison did not run on kvblocks "
+            f"({'; '.join(problems)}); this configuration would compare stock vLLM with itself"
+        )
+    if ran:
+        raise NotOnKvblocks(f"the stock vLLM side of the comparison ran on {', '.join(ran)}")

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvblocks._core import BlockHasher
 from kvblocks.vllm import _state, fingerprints
+from kvblocks.vllm._state import Reason
 
 #: vLLM's hash functions (``vllm.utils.hashing``) by the kvblocks algorithm of the same name.
 ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -30,6 +31,9 @@ _PICKLED = frozenset({"sha256", "xxhash"})
 #: The tag strings of vLLM's extra keys: a key string equal to one may be the same interned
 #: object, which pickle would write as a back-reference.
 _TAGS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
+
+#: The part of kvblocks this module is (the name ``status()`` reports it under).
+_PART = "hasher"
 
 Request = Any
 RequestBlockHasher = Callable[[Request], list[bytes]]
@@ -101,9 +105,9 @@ def _pickle_identity_ok(strings: list[Any]) -> bool:
     return True
 
 
-def _extra_key_args(request: Request, pickled: bool) -> dict[str, Any] | str:
+def _extra_key_args(request: Request, pickled: bool) -> dict[str, Any] | Reason:
     """The ``cache_salt`` / ``lora`` / ``mm_features`` arguments of ``hash_blocks`` for a
-    request with extra keys, or the short name of the reason it must fall back."""
+    request with extra keys, or the reason it must fall back."""
     strings: list[Any] = []
     lora = None
     lora_request = request.lora_request
@@ -124,12 +128,12 @@ def _extra_key_args(request: Request, pickled: bool) -> dict[str, Any] | str:
             # vLLM finds where to resume with a bisection on item ends: it agrees with a
             # scan from the first item only when the ends are sorted too.
             if end < previous_end:
-                return "mm_layout"
+                return Reason.MM_LAYOUT
             previous_end = end
             features.append((feature.identifier, offset, length))
             strings.append(feature.identifier)
     if pickled and not _pickle_identity_ok(strings):
-        return "pickle_identity"
+        return Reason.PICKLE_IDENTITY
     return {"cache_salt": salt, "lora": lora, "mm_features": features}
 
 
@@ -138,33 +142,50 @@ def get_request_block_hasher(
     caching_hash_fn: Callable[[Any], bytes],
     num_hash_lookahead_tokens: int = 0,
 ) -> RequestBlockHasher:
-    """vLLM's ``get_request_block_hasher``, on kvblocks where it is exact."""
+    """vLLM's ``get_request_block_hasher``, on kvblocks where it is exact.
+
+    vLLM's own hasher is built first (an error there is vLLM's, as without kvblocks); after
+    that nothing kvblocks does raises: an unexpected error returns vLLM's hasher, counted as
+    ``guard_error`` with the error."""
     from vllm.v1.core import kv_cache_utils
 
     vllm_factory = _state.original_or_current(kv_cache_utils, "get_request_block_hasher")
     stock: RequestBlockHasher = vllm_factory(
         hash_block_size, caching_hash_fn, num_hash_lookahead_tokens
     )
-    stale = fingerprints.check().get("hasher")
-    if stale is not None:  # not the vLLM sources kvblocks' hasher was ported from
-        _state.fall_back("hasher", *stale)
+    try:
+        return _kvblocks_hasher(stock, hash_block_size, caching_hash_fn, num_hash_lookahead_tokens)
+    except Exception as error:  # never break vLLM's start-up: vLLM's hasher
+        _state.fall_back(_PART, Reason.GUARD_ERROR, _state.error_detail(error))
         return stock
-    lookahead = num_hash_lookahead_tokens
+
+
+def _kvblocks_hasher(
+    stock: RequestBlockHasher,
+    hash_block_size: int,
+    caching_hash_fn: Callable[[Any], bytes],
+    lookahead: int,
+) -> RequestBlockHasher:
+    """kvblocks' hasher for these arguments, or ``stock`` (counting why) where kvblocks
+    would not be exact."""
+    stale = fingerprints.check().get(_PART)
+    if stale is not None:  # not the vLLM sources kvblocks' hasher was ported from
+        _state.fall_back(_PART, *stale)
+        return stock
     if type(lookahead) is not int or lookahead < 0:
-        _state.fall_back("hasher", "bad_field")
+        _state.fall_back(_PART, Reason.BAD_FIELD, f"num_hash_lookahead_tokens={lookahead!r}")
         return stock
     algo = _hash_function_names().get(caching_hash_fn)
     if algo is None:
-        _state.fall_back("hasher", "hash_fn")
+        _state.fall_back(_PART, Reason.HASH_FN)
         return stock
     seeded = _SeededHasher(algo, hash_block_size)
     if seeded.for_chain_start() is None:
-        _state.fall_back("hasher", "none_hash")
+        _state.fall_back(_PART, Reason.NONE_HASH)
         return stock
-    detail = f"{algo}, {lookahead} lookahead tokens" if lookahead else algo
-    _state.activate("hasher", detail)
-    pickled = algo in _PICKLED
-    return _make_hasher(stock, seeded, hash_block_size, pickled, lookahead)
+    hasher = _make_hasher(stock, seeded, hash_block_size, algo in _PICKLED, lookahead)
+    _state.activate(_PART, f"{algo}, {lookahead} lookahead tokens" if lookahead else algo)
+    return hasher
 
 
 def _make_hasher(
@@ -175,44 +196,49 @@ def _make_hasher(
     lookahead: int,
 ) -> RequestBlockHasher:
     fall_back = _state.fall_back
+    error_detail = _state.error_detail
 
     def request_block_hasher(request: Request) -> list[bytes]:
-        hashes = request.block_hashes
-        tokens = request._all_token_ids
-        num_hashed = len(hashes)
-        if (num_hashed + 1) * block_size + lookahead > len(tokens):
-            return []  # no new hashable block: the common decode step
-        if request.prompt_embeds is not None:
-            fall_back("hasher", "prompt_embeds")
-            return stock(request)
-        if num_hashed:
-            parent = hashes[-1]
-            hasher = seeded.any()
-        else:
-            parent = None
-            chain_start = seeded.for_chain_start()
-            if chain_start is None:
-                fall_back("hasher", "none_hash")
-                return stock(request)
-            hasher = chain_start
+        # Everything kvblocks does is inside the try: whatever goes wrong, vLLM's hasher
+        # answers. vLLM's own hasher runs outside it (its errors are vLLM's).
+        detail = None
         try:
-            if request.lora_request or request.cache_salt or request.mm_features:
-                keys = _extra_key_args(request, pickled)
-                if isinstance(keys, str):
-                    fall_back("hasher", keys)
-                    return stock(request)
-                return hasher.hash_blocks(
-                    tokens,
-                    parent=parent,
-                    start_block=num_hashed,
-                    num_lookahead_tokens=lookahead,
-                    **keys,
-                )
-            return hasher.hash_blocks(
-                tokens, parent=parent, start_block=num_hashed, num_lookahead_tokens=lookahead
-            )
-        except (TypeError, ValueError, OverflowError, AttributeError):
-            fall_back("hasher", "bad_field")
-            return stock(request)
+            hashes = request.block_hashes
+            tokens = request._all_token_ids
+            num_hashed = len(hashes)
+            if (num_hashed + 1) * block_size + lookahead > len(tokens):
+                return []  # no new hashable block: the common decode step
+            if request.prompt_embeds is not None:
+                reason = Reason.PROMPT_EMBEDS
+            else:
+                parent = hashes[-1] if num_hashed else None
+                hasher = seeded.any() if num_hashed else seeded.for_chain_start()
+                if hasher is None:
+                    reason = Reason.NONE_HASH
+                elif request.lora_request or request.cache_salt or request.mm_features:
+                    keys = _extra_key_args(request, pickled)
+                    if not isinstance(keys, Reason):
+                        return hasher.hash_blocks(
+                            tokens,
+                            parent=parent,
+                            start_block=num_hashed,
+                            num_lookahead_tokens=lookahead,
+                            **keys,
+                        )
+                    reason = keys
+                else:
+                    return hasher.hash_blocks(
+                        tokens,
+                        parent=parent,
+                        start_block=num_hashed,
+                        num_lookahead_tokens=lookahead,
+                    )
+        except (TypeError, ValueError, OverflowError, AttributeError) as error:
+            # a field kvblocks cannot read (a token id out of range, a non-str key, ...)
+            reason, detail = Reason.BAD_FIELD, error_detail(error)
+        except Exception as error:
+            reason, detail = Reason.GUARD_ERROR, error_detail(error)
+        fall_back(_PART, reason, detail)
+        return stock(request)
 
     return request_block_hasher

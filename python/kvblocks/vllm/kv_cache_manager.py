@@ -20,9 +20,16 @@ vLLM's KV-event publisher and metrics work unchanged.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
@@ -42,8 +49,6 @@ from vllm.v1.request import Request, RequestStatus
 from kvblocks._core import KVCacheBlockIds, KVCacheCore, KVCacheGroup
 from kvblocks.vllm import _state
 from kvblocks.vllm.support import Unsupported, spec_kind, unsupported_manager_arguments
-
-_MEDIUM = "GPU"
 
 
 class _GroupManager:
@@ -109,7 +114,7 @@ class KVCacheManager:
         try:
             reason = unsupported_manager_arguments(kwargs)
         except Exception as error:  # an unexpected config shape
-            raise Unsupported(_state.Reason.GUARD_ERROR) from error
+            raise Unsupported(_state.Reason.GUARD_ERROR, _state.error_detail(error)) from error
         if reason is not None:
             raise Unsupported(reason)
         self._init(**kwargs)
@@ -147,6 +152,7 @@ class KVCacheManager:
         self.num_kv_cache_groups = len(groups)
         self.block_size: int = scheduler_block_size
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self._num_reprefillable_tokens = max(0, num_prefill_lookahead - 1)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not eagle_group_ids:
@@ -185,7 +191,7 @@ class KVCacheManager:
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlockIds, int, int]:
-        if not self.enable_caching or request.skip_reading_prefix_cache:
+        if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
@@ -203,11 +209,29 @@ class KVCacheManager:
         shared_prefix_boundary = num_tokens + num_uncached if num_uncached else 0
         return hits, num_tokens, shared_prefix_boundary
 
-    def allocate_slots(self, request: Request, *args: Any, **kwargs: Any) -> KVCacheBlockIds | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        *args: Any,
+        **kwargs: Any,
+    ) -> KVCacheBlockIds | None:
         """vLLM's ``allocate_slots`` (its arguments: ``KVCacheCore.allocate_for_request``), with
         KV events: Rust allocates, then the call's events become vLLM's event objects. Without
         events the instance attribute set in ``__init__`` sends vLLM's call to Rust directly."""
-        blocks: KVCacheBlockIds | None = self._core.allocate_for_request(request, *args, **kwargs)
+        blocks: KVCacheBlockIds | None = self._core.allocate_for_request(
+            request, num_new_tokens, num_new_computed_tokens, *args, **kwargs
+        )
+        if (
+            blocks is not None
+            and request.num_tokens > self.max_model_len
+            and not kwargs.get("delay_cache_blocks")
+        ):
+            # vLLM's num_tokens_to_cache (no external tokens: no connector here).
+            computed = request.num_computed_tokens + num_new_computed_tokens
+            cached = min(min(computed, self.max_model_len) + num_new_tokens, request.num_tokens)
+            self._check_outgrown(request, cached)
         self._collect_events(request)
         return blocks
 
@@ -215,7 +239,39 @@ class KVCacheManager:
         if self.enable_caching:
             self._core.cache_blocks(request, num_computed_tokens)
             if self.enable_kv_cache_events:
+                if request.num_tokens > self.max_model_len:
+                    self._check_outgrown(request, num_computed_tokens)
                 self._collect_events(request)
+
+    def _check_outgrown(self, request: Request, num_tokens: int) -> None:
+        """Where stock vLLM and kvblocks part ways on purpose (docs/vllm.md, "Where kvblocks
+        differs"): caching ``num_tokens`` tokens of a request whose tokens outgrew
+        ``max_model_len`` (a streaming session) needs more full blocks than the request
+        holds. With KV events on, vLLM's block pool then indexes past the request's blocks
+        building the ``BlockStored`` event and raises ``IndexError`` out of ``schedule()``;
+        kvblocks registers the blocks the request holds and goes on. Says so once (WARNING)."""
+        if not self.enable_caching:
+            return
+        # The fewest tokens vLLM's coordinators cache of num_tokens in any group (an EAGLE
+        # group of several may take one block more): the warning never claims a crash that
+        # would not happen.
+        cacheable = max(0, num_tokens - self._num_reprefillable_tokens)
+        full = min(cacheable // self.block_size, len(request.block_hashes))
+        for ids in self._core.get_block_ids(request.request_id):
+            if full > len(ids):
+                _state.log_once(
+                    "outgrown_max_model_len",
+                    logging.WARNING,
+                    "kvblocks: request %r has %d full blocks to cache but holds %d (its tokens "
+                    "outgrew max_model_len=%d); kvblocks registers the blocks it holds and goes "
+                    "on, where stock vLLM with KV events on would raise IndexError out of "
+                    "schedule() (logged once)",
+                    request.request_id,
+                    full,
+                    len(ids),
+                    self.max_model_len,
+                )
+                return
 
     def remove_skipped_blocks(
         self,
@@ -293,7 +349,7 @@ class KVCacheManager:
                 self._events.append(
                     BlockRemoved(
                         block_hashes=[maybe_convert_block_hash(block_hash)],
-                        medium=_MEDIUM,
+                        medium=MEDIUM_GPU,
                         group_idx=group,
                     )
                 )
@@ -350,7 +406,7 @@ class KVCacheManager:
             token_ids=request.all_token_ids[first * size : end * size],
             block_size=size,
             lora_id=lora.adapter_id if lora else None,
-            medium=_MEDIUM,
+            medium=MEDIUM_GPU,
             lora_name=lora.name if lora else None,
             extra_keys=to_event_extra_keys(extra_keys),
             group_idx=group,

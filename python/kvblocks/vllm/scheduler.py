@@ -32,6 +32,8 @@ from kvblocks.vllm._state import Reason
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from kvblocks.vllm.support import Unsupported, unsupported_config
 
+#: The part of kvblocks this module installs (the name ``status()`` reports it under).
+_PART = "kv_cache_manager"
 _building = threading.local()
 
 
@@ -55,26 +57,26 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     vllm_config = getattr(_building, "vllm_config", None)
     if vllm_config is None:
         return _vllm_manager_class()(**kwargs)
-    stale = fingerprints.check().get("kv_cache_manager")
+    stale = fingerprints.check().get(_PART)
     if stale is not None:  # not the vLLM sources kvblocks' manager was ported from
-        _state.fall_back("kv_cache_manager", *stale)
+        _state.fall_back(_PART, *stale)
         return _vllm_manager_class()(**kwargs)
+    detail = None
     try:
         reason = unsupported_config(vllm_config, allowed_scheduler_cls=(Scheduler, AsyncScheduler))
-    except Exception:  # an unexpected config shape: never break vLLM's start-up
-        reason = Reason.GUARD_ERROR
+    except Exception as error:  # an unexpected config shape: never break vLLM's start-up
+        reason, detail = Reason.GUARD_ERROR, _state.error_detail(error)
     if reason is None:
         try:  # the manager checks its own arguments
             manager = KVCacheManager(**kwargs)
         except Unsupported as refusal:
-            reason = refusal.reason
+            reason, detail = refusal.reason, refusal.detail
         except Exception as error:  # a bug of ours must not stop vLLM: use vLLM's manager
-            _state.logger().warning("kvblocks: could not build its KV-cache manager: %s", error)
-            reason = Reason.GUARD_ERROR
+            reason, detail = Reason.GUARD_ERROR, _state.error_detail(error)
     if reason is not None:
-        _state.fall_back("kv_cache_manager", reason)
+        _state.fall_back(_PART, reason, detail)
         return _vllm_manager_class()(**kwargs)
-    _state.activate("kv_cache_manager", _describe(manager))
+    _state.activate(_PART, _describe(manager))
     return manager
 
 
@@ -101,7 +103,7 @@ def install_factory() -> None:
     """Puts the factory where vLLM's scheduler module names its manager (harmless alone:
     the factory builds vLLM's manager unless a scheduler asks)."""
     if _scheduler_module.KVCacheManager is not kv_cache_manager_factory:
-        _state.patch(_scheduler_module, "KVCacheManager", kv_cache_manager_factory)
+        _state.patch(_scheduler_module, "KVCacheManager", kv_cache_manager_factory, _PART)
 
 
 def install() -> None:
@@ -109,7 +111,7 @@ def install() -> None:
     install_factory()
     vllm_scheduler = _scheduler_module.Scheduler
     if not getattr(vllm_scheduler.__init__, "__kvblocks_wrapped__", False):
-        _state.patch(vllm_scheduler, "__init__", _asking_init(vllm_scheduler.__init__))
+        _state.patch(vllm_scheduler, "__init__", _asking_init(vllm_scheduler.__init__), _PART)
 
 
 class Scheduler(_scheduler_module.Scheduler):  # type: ignore[misc]

@@ -12,9 +12,13 @@ option it does not know included, falls back to vLLM's own manager:
   caching on or off);
 - speculative decoding by n-gram, suffix, EAGLE, EAGLE-3 or MTP (the EAGLE block drop,
   lookahead slots, prefill lookahead, lookahead hashing);
+- vLLM's sliding-window retention interval (passed to ``KVCacheCore``) where vLLM's own
+  manager accepts it: not a nonzero one without a sliding-window group, nor a negative one
+  or one that is not a multiple of the block size (those are ``vllm_rejects``);
 - none of: a KV or encoder-cache connector, auxiliary outputs, context parallelism, the
-  KV-cache metrics collector, KV-cache zeroing (Mamba), a retention interval, an
-  encoder-decoder model, a custom scheduler class; one of vLLM's four hash algorithms;
+  KV-cache metrics collector, KV-cache zeroing (Mamba), an encoder-decoder model, a custom
+  scheduler class, lookahead hashing of two or more tokens with prefix caching but no
+  full-attention group; one of vLLM's four hash algorithms;
 - only the ``KVCacheManager`` arguments vLLM 0.33 passes.
 
 Each function returns ``None`` when supported, else the first :class:`~kvblocks.vllm._state.Reason`.
@@ -35,7 +39,8 @@ SPEC_KINDS = {
     "SlidingWindowMLASpec": "sliding_window",
     "ChunkedLocalAttentionSpec": "chunked_local",
 }
-#: vLLM's single-type manager class for each kind (what vLLM's registry must pick).
+#: The name of vLLM's single-type manager class for each kind (in
+#: ``vllm.v1.core.single_type_kv_cache_manager``): the class vLLM's registry must pick.
 KIND_MANAGERS = {
     "full": "FullAttentionManager",
     "sliding_window": "SlidingWindowManager",
@@ -68,11 +73,14 @@ MANAGER_ARGUMENTS = frozenset(
 
 
 class Unsupported(ValueError):
-    """kvblocks' ``KVCacheManager`` refused its arguments; ``reason`` says why."""
+    """kvblocks' ``KVCacheManager`` refused its arguments; ``reason`` says why and ``detail``
+    what the reason's text leaves out (for :attr:`Reason.GUARD_ERROR`, the error)."""
 
-    def __init__(self, reason: Reason) -> None:
-        super().__init__(f"kvblocks' KVCacheManager does not support {reason.text}")
+    def __init__(self, reason: Reason, detail: str | None = None) -> None:
+        message = f"kvblocks' KVCacheManager does not support {reason.text}"
+        super().__init__(f"{message} ({detail})" if detail else message)
         self.reason = reason
+        self.detail = detail
 
 
 def spec_kind(spec: Any, role: Any) -> str | None:
@@ -80,6 +88,7 @@ def spec_kind(spec: Any, role: Any) -> str | None:
     it: the spec type must be allowed exactly and vLLM's registry must manage it with the
     kind's manager (so a spec registered elsewhere, or a role manager, is refused)."""
     from vllm.v1 import kv_cache_interface
+    from vllm.v1.core import single_type_kv_cache_manager
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     name = type(spec).__name__
@@ -87,8 +96,8 @@ def spec_kind(spec: Any, role: Any) -> str | None:
     if kind is None or type(spec) is not getattr(kv_cache_interface, name, None):
         return None
     manager = KVCacheSpecRegistry.get_manager_class(spec, role)
-    if manager is None or manager.__name__ != KIND_MANAGERS[kind]:
-        return None
+    if manager is not getattr(single_type_kv_cache_manager, KIND_MANAGERS[kind]):
+        return None  # exactly vLLM's class, not a subclass or namesake registered elsewhere
     return kind
 
 
@@ -134,6 +143,15 @@ def unsupported_manager_arguments(kwargs: dict[str, Any]) -> Reason | None:
         return Reason.KV_CACHE_SPEC
     if kwargs.get("watermark", 0.0) < 0.0:
         return Reason.VLLM_REJECTS
+    if (
+        caching
+        and kwargs.get("num_hash_lookahead_tokens", 0) >= 2
+        and not any(spec_kind(g.kv_cache_spec, g.role) == "full" for g in groups)
+    ):
+        # A request then has fewer block hashes than full blocks, and vLLM's sliding-window
+        # and chunked-local hit searches index past them (IndexError); kvblocks' would stop
+        # at the last hash. With a full-attention group, its hit bounds the others' first.
+        return Reason.LOOKAHEAD_WITHOUT_FULL
     return None
 
 

@@ -50,7 +50,7 @@ from kvblocks.vllm.bench_driver.fake_model import (
     snapshot,
 )
 from kvblocks.vllm.bench_driver.speculative import Speculation
-from kvblocks.vllm.bench_driver.timing import Timings, Workload, timed_run
+from kvblocks.vllm.bench_driver.timing import Timings, Workload, implementation_of, timed_run
 
 if find_spec("vllm") is None:  # say it now, not at the first run
     raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
@@ -67,6 +67,7 @@ __all__ = [
     "Workload",
     "block_hasher",
     "drafter_for",
+    "implementation_of",
     "layout_groups",
     "make_kv_cache_config",
     "make_request",

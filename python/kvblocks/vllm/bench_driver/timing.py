@@ -54,6 +54,26 @@ class Workload:
         return shared_prefix_prompts(self.num_requests, self.shared_len, own, vocab_size=VOCAB_SIZE)
 
 
+#: The modules of the KV-cache manager and the request block hasher a run used, by
+#: implementation (what :func:`implementation_of` recognises).
+IMPLEMENTATION_MODULES = {
+    "vllm": ("vllm.v1.core.kv_cache_manager", "vllm.v1.core.kv_cache_utils"),
+    "kvblocks": ("kvblocks.vllm.kv_cache_manager", "kvblocks.vllm.block_hasher"),
+}
+
+
+def implementation_of(manager: Any, hasher: Any) -> str:
+    """``"kvblocks"`` when the scheduler's KV-cache manager and the request block hasher are
+    both kvblocks', ``"vllm"`` when both are vLLM's own, else a description of the mix
+    (e.g. ``"manager vllm.v1.core.kv_cache_manager, hasher kvblocks.vllm.block_hasher"``):
+    a run meant to measure kvblocks measured it only if this says so."""
+    modules = (type(manager).__module__, getattr(hasher, "__module__", None))
+    for name, expected in IMPLEMENTATION_MODULES.items():
+        if modules == expected:
+            return name
+    return f"manager {modules[0]}, hasher {modules[1]}"
+
+
 @dataclass
 class Timings:
     """Scheduler-side CPU time of one run, in seconds."""
@@ -65,6 +85,9 @@ class Timings:
     manager: float = 0.0  # inside the KV-cache manager, during schedule and update
     manager_calls: dict[str, list[float]] = field(default_factory=dict)  # name -> [calls, s]
     steps: int = 0
+    #: Whose manager and hasher ran: ``"vllm"``, ``"kvblocks"`` or a mix
+    #: (:func:`implementation_of`).
+    implementation: str = ""
 
     @property
     def scheduler(self) -> float:
@@ -117,7 +140,8 @@ def timed_run(
     model_dir: Path, spec: SchedulerSpec, workload: Workload, *, instrument: bool = False
 ) -> tuple[Timings, list[tuple[Any, ...]]]:
     """Adds every request of ``workload`` at once, then steps vLLM's scheduler to the end.
-    Returns the timings and each step's :func:`snapshot` (to check two runs are identical).
+    Returns the timings and each step's :func:`snapshot` (to check two runs are identical);
+    ``Timings.implementation`` says whose KV-cache manager and hasher the run used.
 
     ``instrument`` also times every call of the request block hasher and of the KV-cache
     manager's methods (``hashing``, ``manager``, ``manager_calls``); the timers slow the run
@@ -131,6 +155,7 @@ def timed_run(
     scheduler = make_scheduler(model_dir, spec)
     lookahead = scheduler.vllm_config.num_hash_lookahead_tokens
     hasher = block_hasher(spec.hash_algo, spec.block_size, lookahead)
+    timings.implementation = implementation_of(scheduler.kv_cache_manager, hasher)
     hasher_slot = [0.0, 0.0]
     if instrument:
         hasher = _timed(hasher, hasher_slot)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvblocks.vllm._state import Reason
 from kvblocks.vllm.fingerprints.extract import Module, sha256
 from kvblocks.vllm.fingerprints.ported import PORTED, Source
 
@@ -31,8 +32,6 @@ __all__ = ["FORMAT", "Change", "changes", "check", "compute", "forget", "load", 
 FORMAT = 1
 #: Where the fingerprint files live.
 DIRECTORY = Path(__file__).parent
-#: Fallback reasons (keys of ``kvblocks.vllm._state.REASONS``).
-CHANGED, UNKNOWN = "vllm_sources", "vllm_unknown"
 
 Document = dict[str, Any]
 
@@ -192,7 +191,7 @@ def check(version: str | None = None) -> dict[str, tuple[str, str]]:
         root = vllm_root()
         key = (str(root), version, str(DIRECTORY))
     except Exception as error:
-        return _all(UNKNOWN, f"cannot locate vllm: {error}")
+        return _all(Reason.VLLM_UNKNOWN, f"cannot locate vllm: {error}")
     with _lock:
         result = _cache.get(key)
         if result is None:
@@ -200,7 +199,7 @@ def check(version: str | None = None) -> dict[str, tuple[str, str]]:
         return dict(result)
 
 
-def _all(reason: str, detail: str) -> dict[str, tuple[str, str]]:
+def _all(reason: Reason, detail: str) -> dict[str, tuple[str, str]]:
     return {part: (reason, detail) for part in PORTED}
 
 
@@ -208,13 +207,15 @@ def _check(root: Path, version: str) -> dict[str, tuple[str, str]]:
     path = stored_path(version)
     if not path.exists():
         known = ", ".join(stored_versions()) or "none"
-        return _all(UNKNOWN, f"no fingerprints of vllm {version} (kvblocks has: {known})")
+        return _all(
+            Reason.VLLM_UNKNOWN, f"no fingerprints of vllm {version} (kvblocks has: {known})"
+        )
     try:
         document = load(path)
         found = changes(document, root)
     except Exception as error:
-        return _all(UNKNOWN, f"{path.name} unusable: {error}")
+        return _all(Reason.VLLM_UNKNOWN, f"{path.name} unusable: {error}")
     return {
-        part: (CHANGED, f"vllm {version}: {', '.join(map(str, diffs))}")
+        part: (Reason.VLLM_SOURCES, f"vllm {version}: {', '.join(map(str, diffs))}")
         for part, diffs in found.items()
     }
