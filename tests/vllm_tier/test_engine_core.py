@@ -491,6 +491,17 @@ SPECULATION_SETUP = {
 }
 
 
+def engine_results(processes: dict[str, subprocess.Popen[str]], tmp_path: Path) -> tuple[Any, Any]:
+    """Waits for the engine processes ("off" and "all"), each of which must succeed, and
+    returns what each wrote."""
+    results = {}
+    for mode, process in processes.items():
+        log, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, f"KVBLOCKS_VLLM={mode}:\n{log[-4000:]}"
+        results[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    return results["off"], results["all"]
+
+
 @pytest.mark.parametrize(
     ("layout", "speculation"),
     [
@@ -502,12 +513,7 @@ SPECULATION_SETUP = {
 )
 def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculation: str) -> None:
     processes = {mode: run_engine(mode, tmp_path, layout, speculation) for mode in ("off", "all")}
-    results = {}
-    for mode, process in processes.items():
-        log, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"KVBLOCKS_VLLM={mode}:\n{log[-4000:]}"
-        results[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
-    off, on = results["off"], results["all"]
+    off, on = engine_results(processes, tmp_path)
 
     # Nothing was installed before EngineCore loaded the plugins itself.
     assert off["before_engine"] == on["before_engine"] == [False, "off"]
@@ -556,12 +562,7 @@ def test_engine_core_starts_when_kvblocks_hasher_breaks(tmp_path: Path) -> None:
         "off": run_engine("off", tmp_path, "llama", ""),
         "all": run_engine("all", tmp_path, "llama", "", fault="hasher"),
     }
-    results = {}
-    for mode, process in processes.items():
-        log, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"KVBLOCKS_VLLM={mode}:\n{log[-4000:]}"
-        results[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
-    off, on = results["off"], results["all"]
+    off, on = engine_results(processes, tmp_path)
     assert on["hasher"] == off["hasher"] == "vllm.v1.core.kv_cache_utils"
     assert on["manager"] == "kvblocks.vllm.kv_cache_manager"
     assert "hasher on" not in on["status"]
