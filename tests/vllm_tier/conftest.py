@@ -15,7 +15,9 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 if os.environ.get("KVBLOCKS_REQUIRE_VLLM") != "1":
-    pytest.importorskip("vllm", reason="the vLLM tier needs vllm (pip install 'kvblocks[vllm]')")
+    pytest.importorskip(
+        "vllm", reason="the vLLM tier needs vllm (.ci/run installs it: docs/vllm.md#the-test-tier)"
+    )
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
