@@ -86,12 +86,17 @@ fn group() -> impl Strategy<Value = GroupSpec> {
             extra_retained
         }),
         (1usize..6).prop_map(|blocks| AttentionKind::ChunkedLocal { chunk: blocks * BLOCK }),
+        (0usize..3).prop_map(|speculative_blocks| AttentionKind::Mamba { speculative_blocks }),
     ];
     (kind, prop::option::of(2usize..12), any::<bool>()).prop_map(|(kind, cap, is_eagle_group)| {
         GroupSpec {
             kind,
             block_size: BLOCK,
-            max_admission_blocks: (!kind.is_full()).then_some(cap.unwrap_or(64)),
+            max_admission_blocks: matches!(
+                kind,
+                AttentionKind::SlidingWindow { .. } | AttentionKind::ChunkedLocal { .. }
+            )
+            .then_some(cap.unwrap_or(64)),
             is_eagle_group,
         }
     })
@@ -106,27 +111,34 @@ fn config() -> impl Strategy<Value = EngineConfig> {
         0usize..3,
         prop_oneof![Just(None), Just(Some(0)), Just(Some(8))],
         0usize..4,
+        any::<bool>(),
     )
-        .prop_map(|(groups, num_blocks, caching, eagle, prefill, retention, watermark)| {
-            // One lookup set per group, full attention first (vLLM's order for distinct specs).
-            let mut order: Vec<usize> = (0..groups.len()).collect();
-            order.sort_by_key(|&g| !groups[g].kind.is_full());
-            // vLLM refuses EAGLE with a chunked-local group (kvblocks' guard falls back).
-            let chunked =
-                groups.iter().any(|g| matches!(g.kind, AttentionKind::ChunkedLocal { .. }));
-            EngineConfig {
-                num_blocks,
-                lookup_sets: order.into_iter().map(|g| vec![g]).collect(),
-                groups,
-                max_model_len: 64,
-                enable_caching: caching,
-                enable_events: true,
-                watermark_blocks: watermark,
-                use_eagle: eagle && !chunked,
-                num_prefill_lookahead: prefill,
-                retention_interval: retention,
-            }
-        })
+        .prop_map(
+            |(groups, num_blocks, caching, eagle, prefill, retention, watermark, zeroing)| {
+                // vLLM caches Mamba states only in its "align" mode, which the engine refuses.
+                let mamba = groups.iter().any(|g| matches!(g.kind, AttentionKind::Mamba { .. }));
+                let caching = caching && !mamba;
+                // One lookup set per group, full attention first (vLLM's order for distinct specs).
+                let mut order: Vec<usize> = (0..groups.len()).collect();
+                order.sort_by_key(|&g| !groups[g].kind.is_full());
+                // vLLM refuses EAGLE with a chunked-local group (kvblocks' guard falls back).
+                let chunked =
+                    groups.iter().any(|g| matches!(g.kind, AttentionKind::ChunkedLocal { .. }));
+                EngineConfig {
+                    num_blocks,
+                    lookup_sets: order.into_iter().map(|g| vec![g]).collect(),
+                    groups,
+                    max_model_len: 64,
+                    enable_caching: caching,
+                    enable_events: true,
+                    watermark_blocks: watermark,
+                    use_eagle: eagle && !chunked,
+                    num_prefill_lookahead: prefill,
+                    retention_interval: retention,
+                    needs_kv_cache_zeroing: zeroing || mamba,
+                }
+            },
+        )
 }
 
 /// The hashes of chain `chain`: requests on one chain share every prefix.
@@ -305,12 +317,16 @@ proptest! {
         config in config(),
         ops in prop::collection::vec(op(), 1..80),
     ) {
+        let zeroing = config.needs_kv_cache_zeroing;
         let mut m = KvCacheManager::new(config).unwrap();
         let mut requests = HashMap::new();
         let ids: Vec<u8> = (0..6).collect();
         for op in &ops {
             apply(&mut m, &mut requests, op);
             check_invariants(&m, &ids);
+            let to_zero = m.take_new_block_ids();
+            prop_assert!(zeroing || to_zero.is_empty(), "blocks to zero without zeroing");
+            prop_assert!(to_zero.iter().all(|&b| b != 0), "the null block recorded for zeroing");
             for event in m.take_events() {
                 if let ManagerEvent::Stored { first, end, skipped, .. } = event {
                     prop_assert!(first < end);

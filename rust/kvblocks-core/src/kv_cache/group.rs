@@ -1,6 +1,6 @@
 //! One group's blocks of one request, and the rules that grow, shrink and register them
-//! (vLLM's `SingleTypeKVCacheManager` and its subclasses for full attention, sliding window
-//! and chunked local attention).
+//! (vLLM's `SingleTypeKVCacheManager` and its subclasses for full attention, sliding window,
+//! chunked local attention and Mamba without prefix caching).
 
 use super::spec::GroupSpec;
 use crate::pool::{BlockPool, NULL_BLOCK};
@@ -54,6 +54,7 @@ pub(super) fn num_blocks_to_allocate(
     total_computed: usize,
     cap: bool,
 ) -> usize {
+    let num_tokens = num_tokens.saturating_add(spec.kind.extra_slots(spec.block_size));
     let mut required = num_tokens.div_ceil(spec.block_size);
     if let (true, Some(max)) = (cap, spec.max_admission_blocks) {
         required = required.min(max);
@@ -89,14 +90,15 @@ pub(super) fn add_computed_blocks(
     held.num_cached = Some(held.blocks.len());
 }
 
-/// New blocks until the request has `num_tokens` slots (vLLM's `allocate_new_blocks`),
-/// appended to its table.
+/// New blocks until the request has `num_tokens` slots (vLLM's `allocate_new_blocks`; a
+/// Mamba group also covers its speculative blocks), appended to its table.
 pub(super) fn allocate_new_blocks(
     spec: &GroupSpec,
     pool: &mut BlockPool,
     held: &mut GroupBlocks,
     num_tokens: usize,
 ) {
+    let num_tokens = num_tokens.saturating_add(spec.kind.extra_slots(spec.block_size));
     let required = num_tokens.div_ceil(spec.block_size);
     let missing = required.saturating_sub(held.blocks.len());
     if missing > 0 {

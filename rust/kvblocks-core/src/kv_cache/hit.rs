@@ -104,6 +104,8 @@ fn find_for_kind(
                 push(&mut blocks, found);
             }
         }
+        // No hit: the engine takes Mamba groups only with prefix caching off.
+        AttentionKind::Mamba { .. } => {}
     }
     if drop_eagle {
         blocks.iter_mut().for_each(|b| {

@@ -154,6 +154,11 @@ impl KvCacheManager {
         done
     }
 
+    /// vLLM's `take_new_block_ids` (see [`KvCacheEngine::take_new_block_ids`]).
+    pub fn take_new_block_ids(&mut self) -> Vec<u32> {
+        self.engine.take_new_block_ids()
+    }
+
     /// The events since the last call, oldest first.
     pub fn take_events(&mut self) -> Vec<ManagerEvent> {
         self.drain_events("");

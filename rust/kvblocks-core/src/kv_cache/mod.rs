@@ -123,6 +123,10 @@ pub struct KvCacheEngine {
     /// Per group, where the blocks the last `allocate_slots` took from the pool start in the
     /// request's table (they are appended; see [`KvCacheEngine::new_blocks`]).
     new_from: Vec<usize>,
+    /// Per group, the fresh blocks recorded for zeroing since the last
+    /// [`KvCacheEngine::take_new_block_ids`] (vLLM's `new_block_ids` of each single-type
+    /// manager); stays empty unless the config needs KV-cache zeroing.
+    new_block_ids: Vec<Vec<u32>>,
 }
 
 impl KvCacheEngine {
@@ -144,7 +148,18 @@ impl KvCacheEngine {
         let new_from = vec![0; config.groups.len()];
         let windowed = config.is_windowed();
         let registered = Vec::new();
-        Ok(Self { config, pool, sets, any_drop, windowed, eagle_aware, registered, new_from })
+        let new_block_ids = vec![Vec::new(); config.groups.len()];
+        Ok(Self {
+            config,
+            pool,
+            sets,
+            any_drop,
+            windowed,
+            eagle_aware,
+            registered,
+            new_from,
+            new_block_ids,
+        })
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -352,11 +367,31 @@ impl KvCacheEngine {
             *from = blocks.blocks.len();
             group::allocate_new_blocks(spec, &mut self.pool, blocks, slots);
         }
+        if self.config.needs_kv_cache_zeroing {
+            self.record_new_blocks(held);
+        }
         // Most decode steps fill no block: nothing to register.
         if !args.delay_cache_blocks && keys.end > keys.first {
             self.cache_with_keys(held, request, cache_upto, &keys);
         }
         Ok(true)
+    }
+
+    /// Records the attention groups' blocks the last `allocate_slots` took for the worker to
+    /// zero (vLLM records them as its managers allocate them).
+    fn record_new_blocks(&mut self, held: &RequestBlocks) {
+        let groups = self.config.groups.iter().zip(&held.groups).zip(&self.new_from);
+        for (((spec, blocks), &from), ids) in groups.zip(&mut self.new_block_ids) {
+            if spec.kind.is_attention() {
+                ids.extend_from_slice(blocks.blocks.get(from..).unwrap_or_default());
+            }
+        }
+    }
+
+    /// vLLM's `take_new_block_ids`: the blocks recorded for zeroing since the last call,
+    /// group by group (each group's in allocation order), and forgets them.
+    pub fn take_new_block_ids(&mut self) -> Vec<u32> {
+        self.new_block_ids.iter_mut().flat_map(std::mem::take).collect()
     }
 
     /// The blocks the last successful `allocate_slots` took from the pool for `held` (the

@@ -17,6 +17,11 @@ pub enum AttentionKind {
     /// Tokens attend within chunks of `chunk` tokens: blocks of finished chunks are freed
     /// (vLLM's `ChunkedLocalAttentionManager`).
     ChunkedLocal { chunk: usize },
+    /// A state-space or linear-attention layer (vLLM's `MambaManager` with
+    /// `mamba_cache_mode="none"`, prefix caching off): a request keeps the block holding its
+    /// running state, plus `speculative_blocks` blocks for the states of draft tokens
+    /// (EAGLE/MTP); earlier blocks are freed.
+    Mamba { speculative_blocks: usize },
 }
 
 impl AttentionKind {
@@ -29,7 +34,24 @@ impl AttentionKind {
                 num_computed_tokens.saturating_add(1).saturating_sub(window + extra_retained)
             }
             Self::ChunkedLocal { chunk } => num_computed_tokens / chunk * chunk,
+            // Only the state after the last computed token is read.
+            Self::Mamba { .. } => num_computed_tokens.saturating_sub(1),
         }
+    }
+
+    /// The slots a group allocates beyond a request's tokens: a Mamba group's blocks for the
+    /// states of draft tokens.
+    pub fn extra_slots(self, block_size: usize) -> usize {
+        match self {
+            Self::Mamba { speculative_blocks } => speculative_blocks.saturating_mul(block_size),
+            _ => 0,
+        }
+    }
+
+    /// Whether the group holds attention KV (vLLM's `AttentionSpec`), which the worker
+    /// zeroes in fresh blocks when the KV cache needs it; a Mamba group's state does not.
+    pub fn is_attention(self) -> bool {
+        !matches!(self, Self::Mamba { .. })
     }
 
     /// How many contiguous cached blocks a sliding-window hit needs (vLLM's
@@ -99,6 +121,10 @@ pub struct EngineConfig {
     /// every block a hit could use, `Some(0)` only those at replay boundaries and
     /// shared-prefix junctions, `Some(r)` also one window per `r` tokens.
     pub retention_interval: Option<usize>,
+    /// vLLM's `KVCacheConfig.needs_kv_cache_zeroing` (Mamba layers, mixed-precision
+    /// caches): the attention groups' fresh blocks are recorded for the worker to zero
+    /// ([`super::KvCacheEngine::take_new_block_ids`]).
+    pub needs_kv_cache_zeroing: bool,
 }
 
 impl EngineConfig {
@@ -115,6 +141,7 @@ impl EngineConfig {
             use_eagle: false,
             num_prefill_lookahead: 0,
             retention_interval: None,
+            needs_kv_cache_zeroing: false,
         }
     }
 
@@ -134,8 +161,9 @@ impl EngineConfig {
         self.groups.iter().any(|g| !g.kind.is_full())
     }
 
-    /// The block size every group shares (the engine reproduces vLLM for layouts whose
-    /// groups all use the hash block size).
+    /// The block size every group shares with prefix caching on (the engine reproduces vLLM
+    /// for layouts whose groups all use the hash block size); without caching, group 0's
+    /// (the engine then reads no hash).
     pub fn block_size(&self) -> usize {
         self.groups.first().map_or(1, |g| g.block_size)
     }
@@ -159,10 +187,10 @@ impl EngineConfig {
             if group.block_size == 0 {
                 return Err(CoreError::InvalidSize { what: "block_size (must be >= 1)", value: 0 });
             }
-            if group.block_size != block_size {
+            if self.enable_caching && group.block_size != block_size {
                 return invalid(format!(
                     "group {i} has {}-token blocks and group 0 {block_size}-token blocks: \
-                     every group must use the same block size",
+                     with prefix caching every group must use the same block size",
                     group.block_size
                 ));
             }
@@ -180,6 +208,20 @@ impl EngineConfig {
                 }
                 AttentionKind::ChunkedLocal { chunk: 0 } => {
                     return invalid(format!("group {i}: an attention chunk must be >= 1 token"));
+                }
+                AttentionKind::Mamba { .. } if self.enable_caching => {
+                    // vLLM caches Mamba states only in its "align" mode.
+                    return invalid(format!(
+                        "group {i}: Mamba groups are implemented without prefix caching only \
+                         (vLLM's mamba_cache_mode \"none\")"
+                    ));
+                }
+                AttentionKind::Mamba { speculative_blocks }
+                    if speculative_blocks.checked_mul(group.block_size).is_none() =>
+                {
+                    return invalid(format!(
+                        "group {i}: {speculative_blocks} speculative blocks overflow"
+                    ));
                 }
                 _ => {}
             }

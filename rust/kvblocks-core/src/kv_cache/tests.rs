@@ -393,3 +393,75 @@ fn huge_token_counts_do_not_overflow() {
     assert!(m.allocate_slots("a", &huge, &args, none, &[][..]).is_ok());
     assert!(m.lookup(&hashes(1..3)[..], usize::MAX).unwrap().num_tokens <= 8);
 }
+
+#[test]
+fn mamba_keeps_the_running_state_and_its_draft_blocks_and_only_attention_is_zeroed() {
+    // vLLM's MambaManager without prefix caching: `num_tokens + block_size *
+    // num_speculative_blocks` slots, and every block before the one holding token
+    // `num_computed - 1` is freed. Groups may differ in block size without caching.
+    let mamba = GroupSpec {
+        kind: AttentionKind::Mamba { speculative_blocks: 1 },
+        block_size: 8,
+        max_admission_blocks: None,
+        is_eagle_group: false,
+    };
+    let mut m = KvCacheManager::new(EngineConfig {
+        groups: vec![full(4), mamba],
+        lookup_sets: vec![vec![0], vec![1]],
+        enable_caching: false,
+        needs_kv_cache_zeroing: true,
+        ..EngineConfig::single_group(20, 4, 1 << 20)
+    })
+    .unwrap();
+    let first = AllocateArgs { num_new_tokens: 10, ..AllocateArgs::default() };
+    let new = m.allocate_slots("a", &state(10), &first, &[], &[][..]).unwrap().unwrap();
+    // Full: ceil(10 / 4) = 3 blocks; Mamba: ceil((10 + 8) / 8) = 3 blocks.
+    assert_eq!(new, vec![vec![1, 2, 3], vec![4, 5, 6]]);
+    assert_eq!(m.take_new_block_ids(), vec![1, 2, 3], "only attention blocks are zeroed");
+    assert_eq!(m.take_new_block_ids(), Vec::<u32>::new(), "taking forgets them");
+
+    // 10 computed, one decode token: the Mamba state before token 9 (block 0) is freed;
+    // 11 + 8 slots still fit in 3 Mamba blocks, 11 in 3 full-attention blocks.
+    let decode = AllocateArgs { num_new_tokens: 1, ..AllocateArgs::default() };
+    let running = RequestState { num_computed_tokens: 10, is_waiting: false, ..state(11) };
+    let new = m.allocate_slots("a", &running, &decode, &[], &[][..]).unwrap().unwrap();
+    assert_eq!(new, vec![Vec::<u32>::new(), vec![]]);
+    assert_eq!(table(&m, "a", 1), vec![NULL_BLOCK, 5, 6]);
+    // An uncached freed block is reused first (vLLM prepends it to the free queue).
+    assert_eq!(free_queue(&m)[..2], [4, 7]);
+
+    // 16 computed, 2 more: full needs block 5 (ceil(18 / 4)); Mamba ceil(26 / 8) = 4 blocks,
+    // and the state before token 15 is in block 1: block 0 stays null, nothing else freed.
+    let running = RequestState { num_computed_tokens: 16, is_waiting: false, ..state(18) };
+    let two = AllocateArgs { num_new_tokens: 2, ..AllocateArgs::default() };
+    let new = m.allocate_slots("a", &running, &two, &[], &[][..]).unwrap().unwrap();
+    assert_eq!(new, vec![vec![4, 7], vec![8]]);
+    assert_eq!(m.take_new_block_ids(), vec![4, 7]);
+    assert_eq!(table(&m, "a", 1), vec![NULL_BLOCK, 5, 6, 8]);
+}
+
+#[test]
+fn mamba_groups_refuse_prefix_caching_and_different_block_sizes_need_caching_off() {
+    let mamba = GroupSpec {
+        kind: AttentionKind::Mamba { speculative_blocks: 0 },
+        block_size: 4,
+        max_admission_blocks: None,
+        is_eagle_group: false,
+    };
+    let cached = EngineConfig {
+        groups: vec![full(4), mamba.clone()],
+        lookup_sets: vec![vec![0], vec![1]],
+        ..EngineConfig::single_group(20, 4, 1 << 20)
+    };
+    let err = KvCacheManager::new(cached.clone()).unwrap_err().to_string();
+    assert!(err.contains("without prefix caching"), "{err}");
+    assert!(KvCacheManager::new(EngineConfig { enable_caching: false, ..cached }).is_ok());
+    let sizes = EngineConfig {
+        groups: vec![full(4), full(8)],
+        lookup_sets: vec![vec![0, 1]],
+        ..EngineConfig::single_group(20, 4, 1 << 20)
+    };
+    let err = KvCacheManager::new(sizes.clone()).unwrap_err().to_string();
+    assert!(err.contains("same block size"), "{err}");
+    assert!(KvCacheManager::new(EngineConfig { enable_caching: false, ..sizes }).is_ok());
+}

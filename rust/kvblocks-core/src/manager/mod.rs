@@ -162,6 +162,7 @@ impl BlockManager {
             use_eagle: false,
             num_prefill_lookahead: 0,
             retention_interval: None,
+            needs_kv_cache_zeroing: false,
         })?;
         Ok(Self {
             engine,
