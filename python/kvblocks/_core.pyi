@@ -242,6 +242,7 @@ class KVCacheCore:
         use_eagle: bool = False,
         num_prefill_lookahead: int = 0,
         retention_interval: int | None = None,
+        needs_kv_cache_zeroing: bool = False,
         waiting_statuses: list[Any] = ...,
     ) -> KVCacheCore: ...
     @property
@@ -280,6 +281,7 @@ class KVCacheCore:
     def get_blocks(self, request_id: str, /) -> KVCacheBlockIds: ...
     def estimate_cached_tokens(self, request_id: str, /) -> int: ...
     def reset_prefix_cache(self) -> bool: ...
+    def take_new_block_ids(self) -> list[int]: ...
     def take_events(
         self,
     ) -> list[
@@ -289,7 +291,8 @@ class KVCacheCore:
 @final
 class KVCacheGroup:
     """One KV-cache group for ``KVCacheCore``: ``kind`` is ``"full"``, ``"sliding_window"``
-    (with ``sliding_window``) or ``"chunked_local"`` (with ``attention_chunk_size``)."""
+    (with ``sliding_window``), ``"chunked_local"`` (with ``attention_chunk_size``) or
+    ``"mamba"`` (optionally with ``num_speculative_blocks``; prefix caching off)."""
 
     def __new__(
         cls,
@@ -299,6 +302,7 @@ class KVCacheGroup:
         sliding_window: int | None = None,
         extra_retained_tokens: int = 0,
         attention_chunk_size: int | None = None,
+        num_speculative_blocks: int = 0,
         max_admission_blocks: int | None = None,
         is_eagle_group: bool = False,
     ) -> KVCacheGroup: ...

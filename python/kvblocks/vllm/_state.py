@@ -52,7 +52,7 @@ class Reason(StrEnum):
     SPECULATIVE = "speculative"
     CONTEXT_PARALLEL = "context_parallel"
     METRICS_COLLECTOR = "metrics_collector"
-    ZEROING = "zeroing"
+    MAMBA_PREFIX_CACHING = "mamba_prefix_caching"
     HASH_ALGO = "hash_algo"
     SCHEDULER_CLS = "scheduler_cls"
     ENCODER_DECODER = "encoder_decoder"
@@ -78,8 +78,8 @@ _TEXTS = {
     Reason.PICKLE_IDENTITY: "pickle-based hash with extra-key strings shared by identity",
     Reason.BAD_FIELD: "a request field or argument kvblocks cannot read (type or range)",
     Reason.KV_CACHE_GROUPS: "no KV-cache group (an attention-free model)",
-    Reason.KV_CACHE_SPEC: "a KV-cache spec kvblocks does not implement (Mamba, cross-attention, "
-    "sink, R-SWA, circular buffer, bounded-replay sliding window, hidden-state cache, ...)",
+    Reason.KV_CACHE_SPEC: "a KV-cache spec kvblocks does not implement (cross-attention, sink, "
+    "R-SWA, circular buffer, bounded-replay sliding window, hidden-state cache, ...)",
     Reason.KV_CACHE_GROUP_ROLE: "a special KV-cache group (host-resident, HiSparse)",
     Reason.HASH_BLOCK_SIZE: "KV-cache groups whose block sizes differ from the hash block size "
     "(prefix_match_unit, mixed page sizes, DCP)",
@@ -90,7 +90,8 @@ _TEXTS = {
     "(it implements n-gram, suffix, EAGLE, EAGLE-3 and MTP)",
     Reason.CONTEXT_PARALLEL: "decode or prefill context parallelism",
     Reason.METRICS_COLLECTOR: "the KV-cache metrics collector (--kv-cache-metrics)",
-    Reason.ZEROING: "KV-cache zeroing (Mamba or mixed-precision KV cache)",
+    Reason.MAMBA_PREFIX_CACHING: "prefix caching with Mamba or linear-attention groups (vLLM's "
+    'mamba_cache_mode "align"; kvblocks runs these models with prefix caching off)',
     Reason.HASH_ALGO: "a prefix-caching hash algorithm other than vLLM's four",
     Reason.SCHEDULER_CLS: "a custom scheduler class",
     Reason.ENCODER_DECODER: "an encoder-decoder model",

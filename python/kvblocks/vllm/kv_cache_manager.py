@@ -1,7 +1,7 @@
 """kvblocks' KV-cache manager for vLLM 0.33's scheduler: vLLM's ``KVCacheManager`` interface
 on kvblocks' Rust allocation engine, for every layout :mod:`kvblocks.vllm.support` allows
-(any number of full-attention, MLA, sliding-window and chunked-local groups; EAGLE/MTP and
-other speculative decoding).
+(any number of full-attention, MLA, sliding-window and chunked-local groups, and Mamba groups
+without prefix caching; EAGLE/MTP and other speculative decoding; KV-cache zeroing).
 
 The Rust side (``kvblocks._core.KVCacheCore``) owns what vLLM's block pool, coordinator and
 single-type managers own (reference counts, the free queue in eviction order, the
@@ -74,7 +74,7 @@ def _engine_group(group: Any, max_in_flight_tokens: int, max_model_len: int) -> 
     spec = group.kv_cache_spec
     kind = spec_kind(spec, group.role)
     cap = None
-    if kind != "full":
+    if kind in ("sliding_window", "chunked_local"):
         cap = spec.max_admission_blocks_per_request(
             max_in_flight_tokens=max_in_flight_tokens, max_model_len=max_model_len
         )
@@ -84,6 +84,7 @@ def _engine_group(group: Any, max_in_flight_tokens: int, max_model_len: int) -> 
         sliding_window=spec.sliding_window if kind == "sliding_window" else None,
         extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0),
         attention_chunk_size=spec.attention_chunk_size if kind == "chunked_local" else None,
+        num_speculative_blocks=spec.num_speculative_blocks if kind == "mamba" else 0,
         max_admission_blocks=cap,
         is_eagle_group=group.is_eagle_group,
     )
@@ -174,9 +175,15 @@ class KVCacheManager:
             watermark_blocks=self.watermark_blocks,
             use_eagle=use_eagle,
             num_prefill_lookahead=num_prefill_lookahead,
-            retention_interval=kv_cache_config.prefix_cache_retention_interval,
+            # Retention only thins out what prefix caching registers.
+            retention_interval=(
+                kv_cache_config.prefix_cache_retention_interval if enable_caching else None
+            ),
+            needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
             waiting_statuses=[RequestStatus.WAITING, RequestStatus.PREEMPTED],
         )
+        # Drained by the scheduler every step: straight to Rust.
+        setattr(self, "take_new_block_ids", self._core.take_new_block_ids)  # noqa: B010
         self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
         self._events: list[KVCacheEvent] = []
         if not enable_kv_cache_events:
@@ -186,7 +193,8 @@ class KVCacheManager:
     # -- what the scheduler calls every step -------------------------------------------------
 
     def new_step_starts(self) -> None:
-        """The implemented attention kinds keep no per-step state."""
+        """The implemented kinds keep no per-step state (vLLM's Mamba manager forgets the
+        states cached this step, which only its prefix-caching mode has)."""
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -297,8 +305,11 @@ class KVCacheManager:
         return int(self._core.estimate_cached_tokens(request.request_id))
 
     def take_new_block_ids(self) -> list[int]:
-        """No KV-cache zeroing in the supported configurations."""
-        return []
+        """vLLM's ``take_new_block_ids``: the attention groups' blocks allocated since the last
+        call, for the worker to zero (when the KV cache needs zeroing: Mamba layers or mixed
+        precision). ``__init__`` binds the instance's to Rust directly."""
+        ids: list[int] = self._core.take_new_block_ids()
+        return ids
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         """Hits are block-aligned here: no block is copied on write."""

@@ -81,12 +81,15 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
 
 
 def _describe(manager: KVCacheManager) -> str:
-    """e.g. ``2 groups (full, sliding_window), 16-token blocks, prefix caching on``."""
+    """e.g. ``2 groups (full, sliding_window), 16-token blocks, prefix caching on``; each
+    group's block size where they differ (``4/512-token blocks``)."""
     kinds = [kind for kind, _ in manager.kv_cache_event_metadata]
     groups = f"{len(kinds)} groups ({', '.join(kinds)}), " if len(kinds) > 1 else ""
+    sizes = [str(m.block_size) for m in manager.coordinator.single_type_managers]
+    size = sizes[0] if len(set(sizes)) == 1 else "/".join(sizes)
     caching = "prefix caching on" if manager.enable_caching else "prefix caching off"
     eagle = ", EAGLE block drop" if manager.use_eagle else ""
-    return f"{groups}{manager.block_size}-token blocks, {caching}{eagle}"
+    return f"{groups}{size}-token blocks, {caching}{eagle}"
 
 
 def _asking_init(init: Callable[..., None]) -> Callable[..., None]:

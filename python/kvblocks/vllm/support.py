@@ -5,9 +5,13 @@ manager's own arguments. What is allowed is what kvblocks implements; anything e
 option it does not know included, falls back to vLLM's own manager:
 
 - KV-cache groups whose spec is, by exact type, one kvblocks implements (:data:`SPEC_KINDS`:
-  full attention and MLA, sliding window and sliding-window MLA, chunked local attention),
-  prefix-cacheable, in the default role, all with the hash block size (the scheduler's block
-  size);
+  full attention and MLA, sliding window and sliding-window MLA, chunked local attention,
+  Mamba and linear attention), prefix-cacheable, in the default role; with prefix caching
+  all with the hash block size (the scheduler's block size), without it any size that
+  divides the scheduler's;
+- Mamba groups only without prefix caching (vLLM's ``mamba_cache_mode="none"``; its "align"
+  mode, which caches Mamba states, is not implemented), and KV-cache zeroing (which Mamba
+  layers and mixed-precision caches need) as vLLM does it;
 - vLLM's unitary, hybrid and no-prefix-cache coordinators (any number of such groups, prefix
   caching on or off);
 - speculative decoding by n-gram, suffix, EAGLE, EAGLE-3 or MTP (the EAGLE block drop,
@@ -16,7 +20,7 @@ option it does not know included, falls back to vLLM's own manager:
   manager accepts it: not a nonzero one without a sliding-window group, nor a negative one
   or one that is not a multiple of the block size (those are ``vllm_rejects``);
 - none of: a KV or encoder-cache connector, auxiliary outputs, context parallelism, the
-  KV-cache metrics collector, KV-cache zeroing (Mamba), an encoder-decoder model, a custom
+  KV-cache metrics collector, an encoder-decoder model, a custom
   scheduler class, lookahead hashing of two or more tokens with prefix caching but no
   full-attention group; one of vLLM's four hash algorithms;
 - only the ``KVCacheManager`` arguments vLLM 0.33 passes.
@@ -38,6 +42,7 @@ SPEC_KINDS = {
     "SlidingWindowSpec": "sliding_window",
     "SlidingWindowMLASpec": "sliding_window",
     "ChunkedLocalAttentionSpec": "chunked_local",
+    "MambaSpec": "mamba",
 }
 #: The name of vLLM's single-type manager class for each kind (in
 #: ``vllm.v1.core.single_type_kv_cache_manager``): the class vLLM's registry must pick.
@@ -45,6 +50,7 @@ KIND_MANAGERS = {
     "full": "FullAttentionManager",
     "sliding_window": "SlidingWindowManager",
     "chunked_local": "ChunkedLocalAttentionManager",
+    "mamba": "MambaManager",
 }
 #: The speculative-decoding methods kvblocks runs (what its manager sees of them: the
 #: EAGLE block drop, lookahead slots and hashing).
@@ -111,9 +117,14 @@ def unsupported_manager_arguments(kwargs: dict[str, Any]) -> Reason | None:
     scheduler_block_size = kwargs["scheduler_block_size"]
     hash_block_size = kwargs.get("hash_block_size") or scheduler_block_size
     use_eagle = kwargs.get("use_eagle", False)
+    caching = kwargs.get("enable_caching", True)
     groups = config.kv_cache_groups
     if not groups:
         return Reason.KV_CACHE_GROUPS
+    for group in groups:
+        spec = group.kv_cache_spec
+        if spec_kind(spec, group.role) == "mamba" and (caching or spec.mamba_cache_mode != "none"):
+            return Reason.MAMBA_PREFIX_CACHING
     for group in groups:
         if group.host_resident or group.role != KVCacheGroupRole.DEFAULT:
             return Reason.KV_CACHE_GROUP_ROLE
@@ -121,20 +132,21 @@ def unsupported_manager_arguments(kwargs: dict[str, Any]) -> Reason | None:
         kind = spec_kind(spec, group.role)
         if kind is None or not spec.prefix_cacheable or spec.prefix_replay_tokens:
             return Reason.KV_CACHE_SPEC
-        if not spec.block_size == hash_block_size == scheduler_block_size:
+        if not caching:
+            # vLLM's coordinator asserts that every group's block size divides the
+            # scheduler's (the hashes are then unused).
+            if scheduler_block_size % spec.block_size or scheduler_block_size % hash_block_size:
+                return Reason.VLLM_REJECTS
+        elif not spec.block_size == hash_block_size == scheduler_block_size:
             return Reason.HASH_BLOCK_SIZE
     if kwargs.get("dcp_world_size", 1) != 1 or kwargs.get("pcp_world_size", 1) != 1:
         return Reason.CONTEXT_PARALLEL
     if kwargs.get("metrics_collector") is not None:
         return Reason.METRICS_COLLECTOR
-    if config.has_mamba_layers or config.needs_kv_cache_zeroing:
-        return Reason.ZEROING
-    retention = config.prefix_cache_retention_interval
-    if retention is not None and _vllm_rejects_retention(retention, scheduler_block_size, groups):
+    if _vllm_rejects_retention(config, scheduler_block_size):
         return Reason.VLLM_REJECTS
     if config.hisparse_host_num_blocks is not None:
         return Reason.KV_CACHE_GROUP_ROLE
-    caching = kwargs.get("enable_caching", True)
     eagle_groups = any(g.is_eagle_group for g in groups) or use_eagle
     if caching and eagle_groups and scheduler_block_size < kwargs.get("num_prefill_lookahead", 0):
         return Reason.VLLM_REJECTS
@@ -155,13 +167,19 @@ def unsupported_manager_arguments(kwargs: dict[str, Any]) -> Reason | None:
     return None
 
 
-def _vllm_rejects_retention(retention: int, block_size: int, groups: Any) -> bool:
-    """vLLM's coordinator refuses a retention interval that cannot apply: one set without a
-    sliding-window group, or one that is negative or not a multiple of the block size."""
-    sliding = any(spec_kind(g.kv_cache_spec, g.role) == "sliding_window" for g in groups)
-    if not sliding:
-        return retention != 0
-    return retention < 0 or retention % block_size != 0
+def _vllm_rejects_retention(config: Any, scheduler_block_size: int) -> bool:
+    """Whether vLLM's coordinator refuses the config's prefix-cache retention interval (one
+    set without a sliding-window or Mamba group, a negative one, or one that is not a
+    multiple of the scheduler's block size): vLLM's own check decides."""
+    from vllm.v1.core.kv_cache_coordinator import _validate_prefix_cache_retention_interval
+
+    try:
+        _validate_prefix_cache_retention_interval(
+            config.prefix_cache_retention_interval, scheduler_block_size, config
+        )
+    except ValueError:
+        return True
+    return False
 
 
 def unsupported_config(

@@ -29,29 +29,37 @@ impl PyKvCacheGroup {
     #[new]
     #[pyo3(signature = (
         kind, block_size, *, sliding_window = None, extra_retained_tokens = 0,
-        attention_chunk_size = None, max_admission_blocks = None, is_eagle_group = false
+        attention_chunk_size = None, num_speculative_blocks = 0, max_admission_blocks = None,
+        is_eagle_group = false
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         kind: &str,
         block_size: usize,
         sliding_window: Option<usize>,
         extra_retained_tokens: usize,
         attention_chunk_size: Option<usize>,
+        num_speculative_blocks: usize,
         max_admission_blocks: Option<usize>,
         is_eagle_group: bool,
     ) -> PyResult<Self> {
-        let kind = match (kind, sliding_window, attention_chunk_size) {
-            ("full", None, None) => AttentionKind::Full,
-            ("sliding_window", Some(window), None) => {
+        let speculative = num_speculative_blocks;
+        let kind = match (kind, sliding_window, attention_chunk_size, speculative) {
+            ("full", None, None, 0) => AttentionKind::Full,
+            ("sliding_window", Some(window), None, 0) => {
                 AttentionKind::SlidingWindow { window, extra_retained: extra_retained_tokens }
             }
-            ("chunked_local", None, Some(chunk)) => AttentionKind::ChunkedLocal { chunk },
+            ("chunked_local", None, Some(chunk), 0) => AttentionKind::ChunkedLocal { chunk },
+            ("mamba", None, None, speculative_blocks) => {
+                AttentionKind::Mamba { speculative_blocks }
+            }
             _ => {
                 return Err(PyValueError::new_err(format!(
-                    "kind {kind:?} with sliding_window={sliding_window:?} and \
-                     attention_chunk_size={attention_chunk_size:?}: expected \"full\" (neither), \
-                     \"sliding_window\" (sliding_window) or \"chunked_local\" \
-                     (attention_chunk_size)"
+                    "kind {kind:?} with sliding_window={sliding_window:?}, \
+                     attention_chunk_size={attention_chunk_size:?} and \
+                     num_speculative_blocks={speculative}: expected \"full\" (none of them), \
+                     \"sliding_window\" (sliding_window), \"chunked_local\" \
+                     (attention_chunk_size) or \"mamba\" (num_speculative_blocks, optional)"
                 )))
             }
         };
@@ -64,6 +72,7 @@ impl PyKvCacheGroup {
             AttentionKind::Full => "full",
             AttentionKind::SlidingWindow { .. } => "sliding_window",
             AttentionKind::ChunkedLocal { .. } => "chunked_local",
+            AttentionKind::Mamba { .. } => "mamba",
         }
     }
 
@@ -236,7 +245,8 @@ impl PyKvCacheCore {
     #[pyo3(signature = (
         num_blocks, groups, *, lookup_sets, max_model_len, enable_caching = true,
         enable_events = false, watermark_blocks = 0, use_eagle = false,
-        num_prefill_lookahead = 0, retention_interval = None, waiting_statuses = Vec::new()
+        num_prefill_lookahead = 0, retention_interval = None, needs_kv_cache_zeroing = false,
+        waiting_statuses = Vec::new()
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -251,6 +261,7 @@ impl PyKvCacheCore {
         use_eagle: bool,
         num_prefill_lookahead: usize,
         retention_interval: Option<usize>,
+        needs_kv_cache_zeroing: bool,
         waiting_statuses: Vec<Py<PyAny>>,
     ) -> GlueResult<Self> {
         let num_groups = groups.len();
@@ -265,6 +276,7 @@ impl PyKvCacheCore {
             use_eagle,
             num_prefill_lookahead,
             retention_interval,
+            needs_kv_cache_zeroing,
         };
         let windowed = config.is_windowed();
         Ok(Self {
@@ -346,7 +358,8 @@ impl PyKvCacheCore {
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> GlueResult<Option<Py<PyKvCacheBlockIds>>> {
-        let _ = skip_zeroing_group_ids; // nothing is zeroed in the supported configurations
+        // It exempts blocks of external (KV-connector) tokens from zeroing: there are none.
+        let _ = skip_zeroing_group_ids;
         if num_external_computed_tokens != 0 || num_encoder_tokens != 0 {
             return Err(PyValueError::new_err(
                 "kvblocks' KVCacheManager has no KV connector or encoder cache \
@@ -447,6 +460,13 @@ impl PyKvCacheCore {
 
     fn reset_prefix_cache(&self) -> PyResult<bool> {
         Ok(self.lock()?.reset_prefix_cache())
+    }
+
+    /// vLLM's `take_new_block_ids`: the attention groups' blocks allocated since the last
+    /// call, for the worker to zero (always empty unless `needs_kv_cache_zeroing`).
+    fn take_new_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let ids = self.lock()?.take_new_block_ids();
+        PyList::new(py, ids)
     }
 
     /// The events since the last call, oldest first: `("removed", hash, group)`,

@@ -100,8 +100,9 @@ def model_config(model_dir: Path) -> ModelConfig:
 
 #: The KV-cache layouts the driver builds, by the model family they stand for: each a list
 #: of groups ``(kind, size)`` with kind ``full``, ``mla``, ``sliding_window`` (size: the
-#: window) or ``chunked_local`` (size: the attention chunk). The sizes are the families';
-#: the driver's tests also build small ones (:func:`layout_groups`).
+#: window), ``chunked_local`` (size: the attention chunk) or ``mamba`` (size: the Mamba block
+#: size; 0 for vLLM's default). The sizes are the families'; the driver's tests also build
+#: small ones (:func:`layout_groups`).
 LAYOUTS: dict[str, list[tuple[str, int]]] = {
     # Llama 3, Qwen 2.5/3 dense, Mistral 7B without a window: one full-attention group.
     "llama": [("full", 0)],
@@ -113,6 +114,11 @@ LAYOUTS: dict[str, list[tuple[str, int]]] = {
     "llama4": [("chunked_local", 8192), ("full", 0)],
     # DeepSeek V3/R1, Kimi K2: one MLA group (vLLM's FullAttentionManager manages it).
     "mla": [("mla", 0)],
+    # Qwen3.5 / Qwen3-Next: three gated delta-net (linear attention) layers to one
+    # full-attention layer; vLLM groups layers of one kind by the count of the rarer kind.
+    "qwen3.5": [("full", 0)] + [("mamba", 0)] * 3,
+    # Jamba, Nemotron-H: one attention layer to seven Mamba layers.
+    "jamba": [("full", 0)] + [("mamba", 0)] * 7,
 }
 
 
@@ -177,6 +183,10 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         prefix_caching_hash_algo=spec.hash_algo,
     )
     cache_config.num_gpu_blocks = spec.num_blocks
+    if any(kind == "mamba" for kind, _ in layout_groups(spec.layout)):
+        # What vLLM's config does for models with Mamba layers (MambaModelConfig): prefix
+        # caching caches Mamba states in "align" mode, else none.
+        cache_config.mamba_cache_mode = "align" if spec.enable_caching else "none"
     extra = dict(spec.extra)
     if spec.kv_events:
         from vllm.config import KVEventsConfig
@@ -221,12 +231,14 @@ def make_kv_cache_config(
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
 
     common = {"block_size": spec.block_size, "num_kv_heads": 1, "head_size": 1}
     groups = []
+    num_speculative = vllm_config.num_speculative_tokens if vllm_config is not None else 0
     for i, (kind, size) in enumerate(layout_groups(spec.layout)):
         if kind == "full":
             group_spec: Any = FullAttentionSpec(**common, dtype=torch.float32)
@@ -237,6 +249,16 @@ def make_kv_cache_config(
         elif kind == "chunked_local":
             group_spec = ChunkedLocalAttentionSpec(
                 **common, dtype=torch.float32, attention_chunk_size=size
+            )
+        elif kind == "mamba":
+            group_spec = MambaSpec(
+                # vLLM's default: the attention block size in "align" mode, else the model
+                # length (one block holds a request's running state).
+                block_size=size or (spec.block_size if spec.enable_caching else spec.max_model_len),
+                shapes=((1,),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="align" if spec.enable_caching else "none",
+                num_speculative_blocks=num_speculative,
             )
         else:
             raise ValueError(f"unknown KV-cache group kind {kind!r}")
@@ -272,10 +294,22 @@ def make_scheduler(
             from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
             scheduler_cls = AsyncScheduler
+    kv_cache_config = kv_cache_config or make_kv_cache_config(spec, vllm_config)
+    block_size = hash_block_size = spec.block_size
+    sizes = {g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups}
+    if len(kv_cache_config.kv_cache_groups) == 1 and sizes != {spec.block_size}:
+        # A Mamba-only model: vLLM's block size is the Mamba group's.
+        (block_size,) = (hash_block_size,) = sizes
+    elif len(sizes) > 1:
+        # Groups of several block sizes (Mamba): the sizes EngineCore gives the scheduler.
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     return scheduler_cls(
         vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config or make_kv_cache_config(spec, vllm_config),
+        kv_cache_config=kv_cache_config,
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=spec.block_size,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
     )

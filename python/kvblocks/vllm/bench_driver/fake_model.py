@@ -143,4 +143,6 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
         sorted(out.finished_req_ids),
         sorted(out.preempted_req_ids or ()),
         sorted((r, list(t)) for r, t in out.scheduled_spec_decode_tokens.items()),
+        out.new_block_ids_to_zero,
+        out.kv_cache_block_copies,
     )
