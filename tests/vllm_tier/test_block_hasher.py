@@ -7,13 +7,17 @@ request fell back)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import pickle
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import cbor2
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.lora.request import LoRARequest
@@ -68,6 +72,30 @@ def pair(stock: Hasher, ours: Hasher, prompt: list[int], **kwargs: Any) -> tuple
     return make_request("a", prompt, stock, **kwargs), make_request("b", prompt, ours, **kwargs)
 
 
+def expected_chain(algo: str, tokens: list[int], block_size: int) -> list[bytes]:
+    """The block hashes of a request without extra keys, recomputed from vLLM's definition
+    with hashlib, pickle, cbor2 and xxhash alone: NONE_HASH is the hash of the seed vLLM drew,
+    and each block hashes ``(parent hash, tuple of its tokens, None)``."""
+
+    def digest(value: Any) -> bytes:
+        if algo in ("sha256", "xxhash"):
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            data = cbor2.dumps(value, canonical=True)
+        return (
+            hashlib.sha256(data).digest()
+            if algo.startswith("sha256")
+            else xxhash.xxh3_128_digest(data)
+        )
+
+    parent = digest(kv_cache_utils.get_none_hash_seed())
+    chain = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = digest((parent, tuple(tokens[start : start + block_size]), None))
+        chain.append(parent)
+    return chain
+
+
 def fallbacks() -> dict[tuple[str, str], int]:
     return dict(_state.fallbacks)
 
@@ -90,12 +118,15 @@ def test_prompt_hashes_match_vllm(
         monkeypatch.setenv("PYTHONHASHSEED", seed)
     stock, ours = both_hashers(algo, 16)
     prompt = [random.Random(7).randrange(32000) for _ in range(16 * 9 + 5)]
-    a, b = pair(stock, ours, prompt)
+    a = make_request("a", prompt, stock)
     calls_for_stock = vllm_calls.count
     assert calls_for_stock == 9
+    b = make_request("b", prompt, ours)
     assert len(b.block_hashes) == 9
     assert b.block_hashes == a.block_hashes
     assert vllm_calls.count == calls_for_stock, "kvblocks' side must not call vLLM's hashing"
+    # Independently of both hashers: the bytes from the definition.
+    assert b.block_hashes == expected_chain(algo, prompt, 16)
     assert kvblocks.vllm.status().active == {"hasher": algo}
     assert fallbacks() == {}
 
