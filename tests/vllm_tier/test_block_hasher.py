@@ -93,11 +93,10 @@ def expected_chain(algo: str, tokens: list[int], block_size: int) -> list[bytes]
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         else:
             data = cbor2.dumps(value, canonical=True)
-        return (
-            hashlib.sha256(data).digest()
-            if algo.startswith("sha256")
-            else xxhash.xxh3_128_digest(data)
-        )
+        if algo.startswith("sha256"):
+            return hashlib.sha256(data).digest()
+        xxh: bytes = xxhash.xxh3_128_digest(data)
+        return xxh
 
     parent = digest(kv_cache_utils.get_none_hash_seed())
     chain = []
