@@ -29,21 +29,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture
-def plugin() -> Iterator[None]:
-    """kvblocks installed (mode "all") for one test, then vLLM restored."""
-    kvblocks.vllm.install("all")
-    try:
-        yield
-    finally:
-        kvblocks.vllm.uninstall()
-
-
 def _unpatched() -> None:
     """vLLM's own code in place, and no explicit install()/uninstall() remembered: the
-    plugin entry point (register) installs what KVBLOCKS_VLLM says, as in a new process."""
+    plugin entry point (register) installs what KVBLOCKS_VLLM says, as in a new process.
+    Nothing counted or logged once before is remembered either (fallbacks, their details,
+    the log-once memory), so no test sees another's."""
     kvblocks.vllm.uninstall()
     _state.explicit = False
+    _state.fallbacks.clear()
+    _state.details.clear()
+    _state._logged.clear()
 
 
 @pytest.fixture(autouse=True)

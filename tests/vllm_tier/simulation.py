@@ -115,11 +115,11 @@ def run(
     happen, then its ``actions`` run. The run ends once no request is left, no output is in
     flight, and no arrival or action is still to come.
 
-    Returns, per step: the step's :func:`snapshot` (None where it scheduled nothing), the
-    request outputs, the prefix-cache statistics, the KV events published, the reset's
-    result, the results of the step's actions, and every live request's block ids in each
-    group; then the
-    arrivals' final block hashes. Each model output is handed back ``lag`` steps late (by
+    Returns, per step: the step's :func:`snapshot` followed by the ``SchedulerOutput``'s
+    ``num_common_prefix_blocks`` (None where it scheduled nothing), the request outputs, the
+    prefix-cache statistics, the KV events published, the reset's result, the results of the
+    step's actions, and every live request's block ids in each group; then the arrivals'
+    final block hashes. Each model output is handed back ``lag`` steps late (by
     default 1 for an ``AsyncScheduler``, as under async scheduling, else 0; more is a
     pipeline-parallel batch queue), one output a step, as ``EngineCore`` does; a step
     schedules only when there are requests or nothing is in flight. With speculative
@@ -164,7 +164,8 @@ def run(
             if scheduler.has_requests() or not in_flight:
                 out = scheduler.schedule()
                 in_flight.append((out, model.execute(scheduler, out)))
-                snap = snapshot(out)
+                # num_common_prefix_blocks last, after the snapshot's fields (tests index them).
+                snap = (*snapshot(out), list(out.num_common_prefix_blocks))
             outputs: tuple[Any, ...] = ((), None)
             if len(in_flight) > lag or not scheduler.has_requests():
                 done, result = in_flight.pop(0)

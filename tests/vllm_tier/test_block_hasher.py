@@ -7,13 +7,17 @@ request fell back)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import pickle
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import cbor2
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.lora.request import LoRARequest
@@ -68,6 +72,40 @@ def pair(stock: Hasher, ours: Hasher, prompt: list[int], **kwargs: Any) -> tuple
     return make_request("a", prompt, stock, **kwargs), make_request("b", prompt, ours, **kwargs)
 
 
+def counted_pair(
+    stock: Hasher, ours: Hasher, prompt: list[int], vllm_calls: VllmHashCalls, **kwargs: Any
+) -> tuple[Request, Request, tuple[int, int]]:
+    """:func:`pair`, with how often each side called vLLM's ``hash_block_tokens``."""
+    start = vllm_calls.count
+    a = make_request("a", prompt, stock, **kwargs)
+    middle = vllm_calls.count
+    b = make_request("b", prompt, ours, **kwargs)
+    return a, b, (middle - start, vllm_calls.count - middle)
+
+
+def expected_chain(algo: str, tokens: list[int], block_size: int) -> list[bytes]:
+    """The block hashes of a request without extra keys, recomputed from vLLM's definition
+    with hashlib, pickle, cbor2 and xxhash alone: NONE_HASH is the hash of the seed vLLM drew,
+    and each block hashes ``(parent hash, tuple of its tokens, None)``."""
+
+    def digest(value: Any) -> bytes:
+        if algo in ("sha256", "xxhash"):
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            data = cbor2.dumps(value, canonical=True)
+        if algo.startswith("sha256"):
+            return hashlib.sha256(data).digest()
+        xxh: bytes = xxhash.xxh3_128_digest(data)
+        return xxh
+
+    parent = digest(kv_cache_utils.get_none_hash_seed())
+    chain = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = digest((parent, tuple(tokens[start : start + block_size]), None))
+        chain.append(parent)
+    return chain
+
+
 def fallbacks() -> dict[tuple[str, str], int]:
     return dict(_state.fallbacks)
 
@@ -90,12 +128,15 @@ def test_prompt_hashes_match_vllm(
         monkeypatch.setenv("PYTHONHASHSEED", seed)
     stock, ours = both_hashers(algo, 16)
     prompt = [random.Random(7).randrange(32000) for _ in range(16 * 9 + 5)]
-    a, b = pair(stock, ours, prompt)
+    a = make_request("a", prompt, stock)
     calls_for_stock = vllm_calls.count
     assert calls_for_stock == 9
+    b = make_request("b", prompt, ours)
     assert len(b.block_hashes) == 9
     assert b.block_hashes == a.block_hashes
     assert vllm_calls.count == calls_for_stock, "kvblocks' side must not call vLLM's hashing"
+    # Independently of both hashers: the bytes from the definition.
+    assert b.block_hashes == expected_chain(algo, prompt, 16)
     assert kvblocks.vllm.status().active == {"hasher": algo}
     assert fallbacks() == {}
 
@@ -301,7 +342,13 @@ def test_lookahead_extra_keys_match_vllm(
 # Fallbacks: each case gets vLLM's bytes from vLLM's own code, and says why.
 
 
-def _check_fallback(a: Request, b: Request, reason: str) -> None:
+def _check_fallback(a: Request, b: Request, reason: str, calls: tuple[int, int]) -> None:
+    """``b`` (kvblocks' hasher) fell back for ``reason``: its hashes are ``a``'s (vLLM's
+    hasher), and vLLM's code made them (``calls``: vLLM's ``hash_block_tokens`` calls while
+    hashing ``a``, then ``b``)."""
+    stock_calls, our_calls = calls
+    assert our_calls > 0, "the fallback must hash with vLLM's code"
+    assert our_calls == stock_calls
     assert b.block_hashes == a.block_hashes
     assert len(b.block_hashes) > 0
     assert fallbacks().get(("hasher", reason), 0) >= 1, fallbacks()
@@ -321,7 +368,7 @@ def test_fallback_prompt_embeds(vllm_calls: VllmHashCalls) -> None:
     calls = vllm_calls.count
     b = Request("b", None, sampling, None, block_hasher=ours, **params)
     assert vllm_calls.count > calls
-    _check_fallback(a, b, "prompt_embeds")
+    _check_fallback(a, b, "prompt_embeds", (calls, vllm_calls.count - calls))
 
 
 def test_fallback_bad_lookahead_argument() -> None:
@@ -336,7 +383,7 @@ def test_fallback_bad_lookahead_argument() -> None:
     assert fallbacks() == {("hasher", "bad_field"): 3}
 
 
-def test_fallback_unknown_hash_function() -> None:
+def test_fallback_unknown_hash_function(vllm_calls: VllmHashCalls) -> None:
     kvblocks.vllm.install("hasher")
 
     def custom_hash(obj: Any) -> bytes:
@@ -345,9 +392,10 @@ def test_fallback_unknown_hash_function() -> None:
     kv_cache_utils.init_none_hash(custom_hash)
     ours = kv_cache_utils.get_request_block_hasher(4, custom_hash)
     stock = _state.original_or_current(kv_cache_utils, "get_request_block_hasher")(4, custom_hash)
-    a, b = pair(stock, ours, list(range(13)))
+    a, b, calls = counted_pair(stock, ours, list(range(13)), vllm_calls)
     assert b.block_hashes == a.block_hashes
     assert fallbacks() == {("hasher", "hash_fn"): 1}
+    _check_fallback(a, b, "hash_fn", calls)
 
 
 def test_fallback_none_hash_mismatch(
@@ -356,8 +404,8 @@ def test_fallback_none_hash_mismatch(
     stock, ours = both_hashers("sha256_cbor", 4)
     # Something else in the process set NONE_HASH from a seed kvblocks is not told about.
     monkeypatch.setattr(kv_cache_utils, "NONE_HASH", b"\x01" * 32)
-    a, b = pair(stock, ours, list(range(13)))
-    _check_fallback(a, b, "none_hash")
+    a, b, calls = counted_pair(stock, ours, list(range(13)), vllm_calls)
+    _check_fallback(a, b, "none_hash", calls)
 
 
 def test_none_hash_reinitialized_is_followed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -378,8 +426,10 @@ def test_fallback_pickle_identity(vllm_calls: VllmHashCalls) -> None:
     distinct objects, so such a request is hashed by vLLM."""
     path = fresh("/shared/name")  # one object used as both name and path
     stock, ours = both_hashers("sha256", 4)
-    a, b = pair(stock, ours, list(range(13)), lora_request=LoRARequest(path, 1, path))
-    _check_fallback(a, b, "pickle_identity")
+    a, b, calls = counted_pair(
+        stock, ours, list(range(13)), vllm_calls, lora_request=LoRARequest(path, 1, path)
+    )
+    _check_fallback(a, b, "pickle_identity", calls)
     # The same strings as distinct objects take the fast path and still match.
     _state.fallbacks.clear()
     other = fresh(path)
@@ -391,17 +441,23 @@ def test_fallback_pickle_identity(vllm_calls: VllmHashCalls) -> None:
 def test_fallback_overlapping_mm_items(vllm_calls: VllmHashCalls) -> None:
     stock, ours = both_hashers("sha256_cbor", 4)
     features = [_mm("outer", 0, 30), _mm("inner", 5, 3)]
-    a, b = pair(stock, ours, list(range(33)), mm_features=features)
+    a, b, (stock_calls, our_calls) = counted_pair(
+        stock, ours, list(range(33)), vllm_calls, mm_features=features
+    )
     for token in range(9):
+        calls = vllm_calls.count
         a.append_output_token_ids(token)
+        stock_calls += vllm_calls.count - calls
+        calls = vllm_calls.count
         b.append_output_token_ids(token)
-    _check_fallback(a, b, "mm_layout")
+        our_calls += vllm_calls.count - calls
+    _check_fallback(a, b, "mm_layout", (stock_calls, our_calls))
 
 
 def test_fallback_token_out_of_range(vllm_calls: VllmHashCalls) -> None:
     stock, ours = both_hashers("sha256_cbor", 4)
-    a, b = pair(stock, ours, [1, 2, -3, 4, 5, 6, 7, 2**40, 9])
-    _check_fallback(a, b, "bad_field")
+    a, b, calls = counted_pair(stock, ours, [1, 2, -3, 4, 5, 6, 7, 2**40, 9], vllm_calls)
+    _check_fallback(a, b, "bad_field", calls)
 
 
 # Random requests.
@@ -475,9 +531,10 @@ def test_an_error_building_the_hasher_falls_back(
     monkeypatch.setattr(block_hasher_module, where, _boom)
     stock, ours = both_hashers("sha256", 4)
     assert ours.__module__ == "vllm.v1.core.kv_cache_utils"
-    a, b = pair(stock, ours, list(range(13)))
+    a, b, calls = counted_pair(stock, ours, list(range(13)), vllm_calls)
     assert b.block_hashes == a.block_hashes
     assert fallbacks() == {("hasher", "guard_error"): 1}
+    _check_fallback(a, b, "guard_error", calls)
     status = kvblocks.vllm.status()
     assert "hasher" not in status.active
     assert any("RuntimeError: simulated bug" in text for text in status.fallbacks), status
@@ -490,14 +547,15 @@ def test_an_error_hashing_a_request_falls_back(
     extra keys of a salted request) hashes that request with vLLM's code, naming the error."""
     stock, ours = both_hashers("sha256_cbor", 4)
     _state._logged.clear()  # each reason is logged once per process
-    monkeypatch.setattr(block_hasher_module._SeededHasher, "for_chain_start", _boom)
     with caplog.at_level(logging.INFO, logger="vllm.kvblocks"):
-        a, b = pair(stock, ours, list(range(13)))
-        _check_fallback(a, b, "guard_error")
-        monkeypatch.undo()
+        # (not monkeypatch.undo(): that would also remove vllm_calls' counter)
+        with pytest.MonkeyPatch.context() as chain_start:
+            chain_start.setattr(block_hasher_module._SeededHasher, "for_chain_start", _boom)
+            a, b, calls = counted_pair(stock, ours, list(range(13)), vllm_calls)
+            _check_fallback(a, b, "guard_error", calls)
         monkeypatch.setattr(block_hasher_module, "_extra_key_args", _boom)
-        a, b = pair(stock, ours, list(range(13)), cache_salt="salt")
-    _check_fallback(a, b, "guard_error")
+        a, b, calls = counted_pair(stock, ours, list(range(13)), vllm_calls, cache_salt="salt")
+    _check_fallback(a, b, "guard_error", calls)
     assert fallbacks() == {("hasher", "guard_error"): 2}
     assert any("RuntimeError: simulated bug" in t for t in kvblocks.vllm.status().fallbacks)
     lines = [r for r in caplog.records if "hasher falls back" in r.getMessage()]
@@ -508,8 +566,9 @@ def test_an_error_hashing_a_request_falls_back(
 
 def test_bad_field_fallback_names_the_error(vllm_calls: VllmHashCalls) -> None:
     stock, ours = both_hashers("sha256_cbor", 4)
-    a, b = pair(stock, ours, [1, 2, 3, 2**40, 5])
+    a, b, calls = counted_pair(stock, ours, [1, 2, 3, 2**40, 5], vllm_calls)
     assert b.block_hashes == a.block_hashes
+    _check_fallback(a, b, "bad_field", calls)
     (text,) = kvblocks.vllm.status().fallbacks
     assert text.startswith(f"hasher: {reason_text('bad_field')} (")
     assert "Error: " in text  # the error's type and message

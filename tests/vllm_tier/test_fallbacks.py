@@ -44,7 +44,7 @@ from tests.vllm_tier.simulation import run
 
 class StockStandIn:
     """Recorded instead of building vLLM's manager (some fallback configurations cannot be
-    built on the CPU at all)."""
+    built on the CPU at all): the factory's call of vLLM's class, with its arguments."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
@@ -56,7 +56,8 @@ def decide(
     kv_cache_config: KVCacheConfig | None = None,
     **manager_kwargs: Any,
 ) -> Any:
-    """What the factory builds when a vLLM scheduler with this configuration asks."""
+    """What the factory builds when a vLLM scheduler with this configuration asks. Where it
+    falls back, it must have called vLLM's class with the scheduler's arguments unchanged."""
     spec = SchedulerSpec()
     vllm_config = make_vllm_config(model_dir, spec)
     if config_change is not None:
@@ -75,7 +76,10 @@ def decide(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scheduler, "_vllm_manager_class", lambda: StockStandIn)
         with scheduler._asking(vllm_config):
-            return scheduler.kv_cache_manager_factory(**kwargs)
+            manager = scheduler.kv_cache_manager_factory(**kwargs)
+    if isinstance(manager, StockStandIn):
+        assert manager.kwargs == kwargs, "vLLM's manager must get the scheduler's arguments"
+    return manager
 
 
 def fell_back(manager: Any, reason: str) -> bool:
@@ -355,6 +359,12 @@ LAYOUT_CASES: dict[
     "lookahead hashing, sliding window alone": (
         "lookahead_without_full",
         lambda: kv_cache_config(sliding()),
+        {"num_hash_lookahead_tokens": 2},
+        None,
+    ),
+    "lookahead hashing, chunked local alone": (
+        "lookahead_without_full",
+        lambda: kv_cache_config(chunked()),
         {"num_hash_lookahead_tokens": 2},
         None,
     ),
