@@ -208,7 +208,26 @@ def test_bad_input_changes_nothing() -> None:
     with pytest.raises(ValueError, match="expected"):
         KVCacheGroup("sliding_window", 4)  # no window
     with pytest.raises(ValueError, match="expected"):
-        KVCacheGroup("mamba", 4)
+        KVCacheGroup("full", 4, num_speculative_blocks=1)  # draft-state blocks are Mamba's
+    with pytest.raises(ValueError, match="without prefix caching"):
+        core(8, 4, [KVCacheGroup("full", 4), KVCacheGroup("mamba", 4)])
+
+
+def test_mamba_groups_and_zeroing_without_prefix_caching() -> None:
+    """A full-attention group of 4-token blocks and a Mamba group of 64-token blocks with one
+    draft-state block: 10 tokens take ceil(10 / 4) = 3 and ceil((10 + 64) / 64) = 2 blocks;
+    only the attention blocks are recorded for zeroing, once."""
+    groups = [KVCacheGroup("full", 4), KVCacheGroup("mamba", 64, num_speculative_blocks=1)]
+    assert groups[1].kind == "mamba"
+    c = core(16, 4, groups, enable_caching=False, needs_kv_cache_zeroing=True)
+    blocks = c.allocate_for_request(request("a", [], 10), 10)
+    assert blocks is not None
+    assert blocks.get_block_ids() == ([1, 2, 3], [4, 5])
+    assert c.take_new_block_ids() == [1, 2, 3]
+    assert c.take_new_block_ids() == []
+    unzeroed = core(16, 4, groups, enable_caching=False)
+    unzeroed.allocate_for_request(request("a", [], 10), 10)
+    assert unzeroed.take_new_block_ids() == []
 
 
 def test_refusal_when_full_changes_nothing() -> None:

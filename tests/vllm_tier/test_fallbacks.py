@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupRole,
     KVCacheGroupSpec,
+    MambaSpec,
     MLAAttentionSpec,
     RSWASpec,
     SinkFullAttentionSpec,
@@ -233,6 +234,17 @@ SUPPORTED_LAYOUTS = {
     "chunked local + full": lambda: kv_cache_config(chunked(), full()),
     "sliding window, retention interval 32": lambda: retained(32, sliding()),
 }
+#: Layouts that run on kvblocks with prefix caching off only (vLLM's Mamba cache mode "none":
+#: one block of max_model_len tokens per request and Mamba group), and the scheduler's block
+#: size, the least common multiple of the groups' (what EngineCore passes).
+UNCACHED_LAYOUTS = {
+    "full + Mamba": (lambda: kv_cache_config(full(), mamba(block_size=1024)), 1024),
+    "Mamba alone": (lambda: kv_cache_config(mamba(block_size=1024)), 1024),
+    "full + sliding window of another block size": (
+        lambda: kv_cache_config(full(16), sliding(32)),
+        32,
+    ),
+}
 
 
 def retained(interval: int, *specs: Any) -> KVCacheConfig:
@@ -246,6 +258,17 @@ def test_implemented_layouts_run_on_kvblocks(model_dir: Path, layout: str) -> No
     manager = decide(model_dir, kv_cache_config=SUPPORTED_LAYOUTS[layout]())
     assert isinstance(manager, KVCacheManager)
     assert dict(_state.fallbacks) == {}
+
+
+@pytest.mark.parametrize("layout", list(UNCACHED_LAYOUTS))
+def test_layouts_without_prefix_caching_run_on_kvblocks(model_dir: Path, layout: str) -> None:
+    config, block_size = UNCACHED_LAYOUTS[layout]
+    sizes = {"scheduler_block_size": block_size, "hash_block_size": block_size}
+    manager = decide(model_dir, kv_cache_config=config(), enable_caching=False, **sizes)
+    assert isinstance(manager, KVCacheManager)
+    assert dict(_state.fallbacks) == {}
+    # With prefix caching the same layout falls back.
+    assert not isinstance(decide(model_dir, kv_cache_config=config(), **sizes), KVCacheManager)
 
 
 class LaterSlidingWindowSpec(SlidingWindowSpec):
@@ -287,14 +310,10 @@ def _replaying(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SlidingWindowSpec, "prefix_replay_tokens", property(lambda self: 8))
 
 
-def _mamba_without_zeroing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mamba layers, with zeroing reported off: has_mamba_layers alone must refuse."""
-    monkeypatch.setattr(KVCacheConfig, "has_mamba_layers", property(lambda self: True))
-    monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: False))
-
-
-def _zeroing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: True))
+def mamba(mode: str = "none", block_size: int = 16) -> MambaSpec:
+    return MambaSpec(
+        block_size=block_size, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode=mode
+    )
 
 
 #: case -> (the reason it falls back for, its KV-cache config, the KVCacheManager arguments
@@ -345,8 +364,25 @@ LAYOUT_CASES: dict[
         None,
     ),
     "HiSparse host pool": ("kv_cache_group_role", _hisparse_host_pool, {}, None),
-    "Mamba layers": ("zeroing", lambda: kv_cache_config(full()), {}, _mamba_without_zeroing),
-    "zeroing": ("zeroing", lambda: kv_cache_config(full()), {}, _zeroing),
+    # vLLM caches Mamba states only in its "align" mode, which kvblocks does not implement.
+    "Mamba with prefix caching": (
+        "mamba_prefix_caching",
+        lambda: kv_cache_config(full(), mamba("align")),
+        {},
+        None,
+    ),
+    "Mamba in align mode without caching": (
+        "mamba_prefix_caching",
+        lambda: kv_cache_config(full(), mamba("align")),
+        {"enable_caching": False},
+        None,
+    ),
+    "Mamba block size not dividing the scheduler's": (
+        "vllm_rejects",
+        lambda: kv_cache_config(full(), mamba(block_size=24)),
+        {"enable_caching": False},
+        None,
+    ),
     # vLLM refuses a retention interval that cannot apply.
     "retention without a window": ("vllm_rejects", lambda: retained(16, full()), {}, None),
     "negative retention": ("vllm_rejects", lambda: retained(-16, full(), sliding()), {}, None),

@@ -36,6 +36,8 @@ LAYOUTS: dict[str, list[tuple[str, int]]] = {
     "mamba only": [("mamba", 0)],
 }
 MAX_MODEL_LEN = 512
+#: Fields of a step's ``SchedulerOutput`` record (``bench_driver.snapshot``).
+PREEMPTED, DRAFTS, ZERO = 5, 6, 7
 
 
 def spec_for(layout: str, num_blocks: int = 200, **kwargs: Any) -> SchedulerSpec:
@@ -55,11 +57,11 @@ def records_of(stock: list[Any]) -> list[Any]:
 
 
 def blocks_to_zero(stock: list[Any]) -> list[int]:
-    return [b for record in records_of(stock) for b in record[0][-2] or ()]
+    return [b for record in records_of(stock) for b in record[0][ZERO] or ()]
 
 
 def preempted(stock: list[Any]) -> bool:
-    return any(record[0][5] for record in records_of(stock))
+    return any(record[0][PREEMPTED] for record in records_of(stock))
 
 
 def test_the_scheduler_gets_mamba_groups_and_zeroing(model_dir: Path) -> None:
@@ -131,7 +133,7 @@ def test_speculative_blocks(model_dir: Path, method: str, async_scheduling: bool
     script.aborts = [(5, 2), (12, 9)]
     stock, ours = both(model_dir, script)
     assert_same(stock, ours)
-    assert any(record[0][6] for record in records_of(stock)), "drafts were scheduled"
+    assert any(record[0][DRAFTS] for record in records_of(stock)), "drafts were scheduled"
 
 
 @pytest.mark.parametrize("layout", ["qwen3.5", "gpt-oss + mamba"])
