@@ -9,7 +9,10 @@ them (``InputProcessor.process_inputs`` -> ``EngineCore.preprocess_add_request``
 ``add_request``) and ``step()`` runs until all finish. Every scheduler output, engine output
 and statistic must be the same with kvblocks as with vLLM alone. The model has one
 full-attention layer, or (layout ``gpt-oss``) a full-attention and a sliding-window layer,
-which vLLM's planner puts in two KV-cache groups.
+which vLLM's planner puts in two KV-cache groups, or (layout ``qwen3.5``) a full-attention
+layer and three Mamba (linear-attention) layers of the same page size, four groups, run as
+vLLM runs such a model without prefix caching (Mamba blocks of ``max_model_len`` tokens, the
+attention blocks to zero in every scheduler output).
 
 With speculative decoding (``KVBLOCKS_TEST_SPECULATION``: ``ngram``, or ``eagle`` with a tiny
 offline draft config and vLLM's default lookahead block hashes) the fake executor does what
@@ -53,6 +56,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
@@ -73,7 +77,7 @@ MAX_MODEL_LEN = (NUM_BLOCKS - 1) * BLOCK_SIZE  # what 64 blocks (one is the null
 #: The pool per layout: the window group needs blocks of its own (vLLM's planner requires
 #: room for one request of MAX_MODEL_LEN in every group), and the pool stays small enough
 #: to preempt.
-POOL = {"llama": NUM_BLOCKS, "gpt-oss": NUM_BLOCKS + 22}
+POOL = {"llama": NUM_BLOCKS, "gpt-oss": NUM_BLOCKS + 22, "qwen3.5": NUM_BLOCKS + 24}
 LAYER = "model.layers.{}.self_attn.attn"
 WINDOW = 64  # the sliding window of the gpt-oss-like layout's second layer
 PREFIX_CACHE_FIELDS = (
@@ -136,10 +140,19 @@ class FakeExecutor(Executor):
         specs: dict[str, KVCacheSpec] = {
             LAYER.format(0): FullAttentionSpec(**common, dtype=torch.float32)
         }
-        if os.environ.get("KVBLOCKS_TEST_LAYOUT") == "gpt-oss":
+        layout = os.environ.get("KVBLOCKS_TEST_LAYOUT")
+        if layout == "gpt-oss":
             specs[LAYER.format(1)] = SlidingWindowSpec(
                 **common, dtype=torch.float32, sliding_window=WINDOW
             )
+        elif layout == "qwen3.5":
+            for i in (1, 2, 3):  # one state of the attention layer's page size (4 KiB)
+                specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                    block_size=MAX_MODEL_LEN,
+                    shapes=((1024,),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="none",
+                )
         if self.speculative_config is not None and self.speculative_config.use_eagle():
             # The EAGLE head's attention layer, numbered after the target's (2) layers.
             specs[LAYER.format(2)] = FullAttentionSpec(**common, dtype=torch.float32, is_draft=True)
@@ -245,6 +258,7 @@ def snapshot(out: SchedulerOutput) -> dict[str, Any]:
         "finished": sorted(out.finished_req_ids),
         "preempted": sorted(out.preempted_req_ids or ()),
         "num_common_prefix_blocks": list(out.num_common_prefix_blocks),
+        "new_block_ids_to_zero": out.new_block_ids_to_zero,
         "spec_decode_tokens": sorted(
             [r, list(t)] for r, t in out.scheduled_spec_decode_tokens.items()
         ),
@@ -317,7 +331,8 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         ),
         cache_config=CacheConfig(
             block_size=BLOCK_SIZE,
-            enable_prefix_caching=True,
+            # vLLM runs Mamba layers with prefix caching only in its "align" mode.
+            enable_prefix_caching=os.environ.get("KVBLOCKS_TEST_LAYOUT") != "qwen3.5",
             num_gpu_blocks_override=POOL[os.environ.get("KVBLOCKS_TEST_LAYOUT", "llama")],
         ),
     )
@@ -509,6 +524,7 @@ def engine_results(processes: dict[str, subprocess.Popen[str]], tmp_path: Path) 
         pytest.param("gpt-oss", "", id="gpt-oss"),
         pytest.param("gpt-oss", "ngram", id="gpt-oss-ngram"),
         pytest.param("llama", "eagle", id="llama-eagle"),
+        pytest.param("qwen3.5", "", id="qwen3.5"),
     ],
 )
 def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculation: str) -> None:
@@ -519,31 +535,50 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
     assert off["before_engine"] == on["before_engine"] == [False, "off"]
     assert off["scheduler"] == on["scheduler"] == "vllm.v1.core.sched.scheduler.Scheduler"
     assert off["manager"] == "vllm.v1.core.kv_cache_manager"
-    assert off["hasher"] == "vllm.v1.core.kv_cache_utils"
     assert "mode=off" in off["status"]
     assert "nothing active" in off["status"]
     assert on["manager"] == "kvblocks.vllm.kv_cache_manager"
-    assert on["hasher"] == "kvblocks.vllm.block_hasher"
     assert "mode=all" in on["status"]
-    groups = "2 groups (full_attention, sliding_window), " if layout == "gpt-oss" else ""
-    assert f"kv_cache_manager on {groups}16-token blocks, prefix caching on" in on["status"]
-    lookahead = SPECULATION_SETUP[speculation]["hash_lookahead"]
-    hasher = f"hasher on sha256, {lookahead} lookahead tokens" if lookahead else "hasher on sha256"
-    assert on["status"].endswith(hasher)
     assert "fallback" not in on["status"]
-    eagle_groups = [speculation == "eagle"] + ([False] if layout == "gpt-oss" else [])
+    mamba = layout == "qwen3.5"
+    num_groups = {"llama": 1, "gpt-oss": 2, "qwen3.5": 4}[layout]
+    stock, ours = off["run"], on["run"]
+    if mamba:  # no prefix caching: EngineCore builds no request block hasher
+        assert off["hasher"] is on["hasher"] is None
+        described = (
+            "4 groups (full_attention, mamba, mamba, mamba), 16/1008/1008/1008-token blocks, "
+            "prefix caching off"
+        )
+        assert f"kv_cache_manager on {described}" in on["status"]
+        assert stock["prefix_cache_totals"]["queries"] == 0
+        assert not any(stock["block_hashes"].values())
+        zeroed = [
+            b for step in stock["scheduler_outputs"] for b in step["new_block_ids_to_zero"] or ()
+        ]
+        assert zeroed, "vLLM zeroes fresh attention blocks for a model with Mamba layers"
+    else:
+        assert off["hasher"] == "vllm.v1.core.kv_cache_utils"
+        assert on["hasher"] == "kvblocks.vllm.block_hasher"
+        groups = "2 groups (full_attention, sliding_window), " if layout == "gpt-oss" else ""
+        assert f"kv_cache_manager on {groups}16-token blocks, prefix caching on" in on["status"]
+        lookahead = SPECULATION_SETUP[speculation]["hash_lookahead"]
+        hasher = (
+            f"hasher on sha256, {lookahead} lookahead tokens" if lookahead else "hasher on sha256"
+        )
+        assert on["status"].endswith(hasher)
+        assert stock["prefix_cache_totals"]["hits"] > 0
+        assert all(stock["block_hashes"].values())
+        assert not any(step["new_block_ids_to_zero"] for step in stock["scheduler_outputs"])
+    eagle_groups = [speculation == "eagle"] + [False] * (num_groups - 1)
     setup = {**SPECULATION_SETUP[speculation], "eagle_groups": eagle_groups}
     assert off["speculation"] == on["speculation"] == setup
 
-    stock, ours = off["run"], on["run"]
     assert stock["num_blocks"] == [POOL[layout]]
     groups_per_step = {len(new[1]) for step in stock["scheduler_outputs"] for new in step["new"]}
-    assert groups_per_step == {2 if layout == "gpt-oss" else 1}
+    assert groups_per_step == {num_groups}
     assert len(stock["tokens"]) == 20
     assert set(stock["finish_reasons"].values()) == {"length"}
-    assert stock["prefix_cache_totals"]["hits"] > 0
     assert any(step["preempted"] for step in stock["scheduler_outputs"])
-    assert all(stock["block_hashes"].values())
     max_tokens = {request_id: n for _, request_id, _, n in workload()}
     for request_id, tokens in stock["tokens"].items():  # drafts never change what is sampled
         assert tokens == [sampled_token(request_id, i) for i in range(max_tokens[request_id])]
