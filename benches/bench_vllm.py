@@ -35,7 +35,7 @@ pytest.importorskip("vllm", reason='needs vllm (pip install ".[vllm]" in a kvblo
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench import describe_layout, pool_blocks
+from kvblocks.vllm.bench import describe_layout, pool_blocks, prefix_caching_for
 from kvblocks.vllm.bench_driver import (
     LAYOUTS,
     FakeModel,
@@ -168,6 +168,7 @@ def test_scheduler_cpu_time(
         num_blocks=pool_blocks(blocks_per_group, layout),
         layout=layout,
         hash_algo="sha256",
+        enable_caching=prefix_caching_for(layout),
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         speculative=SPECULATION[method] if method else None,
@@ -228,11 +229,12 @@ def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> N
         block_size=16,
         num_blocks=pool_blocks(BLOCKS_PER_GROUP, layout),
         layout=layout,
+        enable_caching=prefix_caching_for(layout),
         max_num_seqs=256,
         max_num_batched_tokens=8192,
     )
     scheduler = make_scheduler(tiny_model_dir(), spec)
-    hasher = block_hasher(spec.hash_algo, spec.block_size)
+    hasher = block_hasher(spec.hash_algo, spec.block_size) if spec.enable_caching else None
     untimed = benchmark.disabled and layout != "llama"
     prompts = (UNTIMED_LAYOUT_WORKLOAD if untimed else Workload()).prompts()
     requests = [

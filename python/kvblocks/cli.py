@@ -142,7 +142,7 @@ _KVBLOCKS_ENGINE_ONLY = ("backend", "model", "device", "dtype", "threads", "warm
 _VLLM_ENGINE_ONLY = ("layout",)
 #: ``--layout``'s choices: the KV-cache layouts of ``kvblocks.vllm.bench_driver.LAYOUTS``
 #: (named here so that the parser needs no vLLM; the vLLM tier checks that they agree).
-VLLM_LAYOUTS = ("llama", "gpt-oss", "gemma3", "llama4", "mla")
+VLLM_LAYOUTS = ("llama", "gpt-oss", "gemma3", "llama4", "mla", "qwen3.5", "jamba")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -321,6 +321,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
                 compare,
                 describe_layout,
                 pool_blocks,
+                prefix_caching_for,
                 prepare,
             )
             from kvblocks.vllm.bench_driver import layout_groups
@@ -339,6 +340,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
             num_blocks=pool_blocks(args.num_blocks, args.layout),
             layout=args.layout,
             hash_algo=args.hash_algo,
+            enable_caching=prefix_caching_for(args.layout),
             max_num_seqs=args.max_num_seqs or args.num_requests,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
@@ -359,7 +361,8 @@ def bench_vllm(args: argparse.Namespace) -> int:
     print(
         f"\nkvblocks {kvblocks.__version__} in vLLM {status().vllm_version}: {args.num_requests} "
         f"requests, {workload.prompt_len}-token prompts sharing {workload.shared_len}, "
-        f"{args.output_len} output tokens, block size {args.block_size}, {args.hash_algo}; "
+        f"{args.output_len} output tokens, block size {args.block_size}, "
+        f"{args.hash_algo if spec.enable_caching else 'prefix caching off'}; "
         f"vLLM's V1 scheduler with a fake model on the CPU, median of {args.rounds} runs\n"
         f"KV-cache layout {args.layout}: {num_groups} group{'s' if num_groups > 1 else ''} "
         f"({describe_layout(args.layout)}), {spec.num_blocks} blocks "
@@ -532,7 +535,8 @@ def parser() -> argparse.ArgumentParser:
         choices=VLLM_LAYOUTS,
         help="KV-cache layout (vllm engine): llama (one full-attention group, the default), "
         "gpt-oss (full + 128-token sliding window), gemma3 (5 sliding-window 1024 : 1 full), "
-        "llama4 (chunked local 8192 + full), mla (one MLA group)",
+        "llama4 (chunked local 8192 + full), mla (one MLA group), qwen3.5 (full + 3 Mamba/linear "
+        "attention), jamba (full + 7 Mamba); the Mamba layouts run with prefix caching off",
     )
     e.add_argument(
         "--max-num-batched-tokens",

@@ -38,6 +38,7 @@ __all__ = [
     "compare",
     "describe_layout",
     "pool_blocks",
+    "prefix_caching_for",
     "prepare",
 ]
 
@@ -48,6 +49,7 @@ _KINDS = {
     "mla": "MLA",
     "sliding_window": "sliding window {}",
     "chunked_local": "chunked local attention {}",
+    "mamba": "Mamba/linear attention",
 }
 
 
@@ -67,6 +69,12 @@ def pool_blocks(blocks_per_group: int, layout: str | list[tuple[str, int]]) -> i
     vLLM's groups draw on one shared pool, so a layout of n groups needs n times the
     one-group pool for a workload to fit as it does with one group."""
     return blocks_per_group * len(layout_groups(layout))
+
+
+def prefix_caching_for(layout: str | list[tuple[str, int]]) -> bool:
+    """Whether a comparison on ``layout`` runs with prefix caching (vLLM's default): not with
+    Mamba groups, whose prefix caching (vLLM's "align" mode) kvblocks does not implement."""
+    return all(kind != "mamba" for kind, _ in layout_groups(layout))
 
 
 def prepare(spec: SchedulerSpec) -> None:

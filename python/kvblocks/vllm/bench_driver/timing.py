@@ -66,10 +66,11 @@ def implementation_of(manager: Any, hasher: Any) -> str:
     """``"kvblocks"`` when the scheduler's KV-cache manager and the request block hasher are
     both kvblocks', ``"vllm"`` when both are vLLM's own, else a description of the mix
     (e.g. ``"manager vllm.v1.core.kv_cache_manager, hasher kvblocks.vllm.block_hasher"``):
-    a run meant to measure kvblocks measured it only if this says so."""
+    a run meant to measure kvblocks measured it only if this says so. Without prefix caching
+    there is no hasher (``None``): the manager decides."""
     modules = (type(manager).__module__, getattr(hasher, "__module__", None))
     for name, expected in IMPLEMENTATION_MODULES.items():
-        if modules == expected:
+        if modules == expected or (hasher is None and modules[0] == expected[0]):
             return name
     return f"manager {modules[0]}, hasher {modules[1]}"
 
@@ -154,10 +155,13 @@ def timed_run(
     timings = Timings()
     scheduler = make_scheduler(model_dir, spec)
     lookahead = scheduler.vllm_config.num_hash_lookahead_tokens
-    hasher = block_hasher(spec.hash_algo, spec.block_size, lookahead)
+    # EngineCore hashes requests only for prefix caching (or a KV connector).
+    hasher = (
+        block_hasher(spec.hash_algo, spec.block_size, lookahead) if spec.enable_caching else None
+    )
     timings.implementation = implementation_of(scheduler.kv_cache_manager, hasher)
     hasher_slot = [0.0, 0.0]
-    if instrument:
+    if instrument and hasher is not None:
         hasher = _timed(hasher, hasher_slot)
         manager = scheduler.kv_cache_manager
         for name in MANAGER_METHODS:
