@@ -32,6 +32,8 @@ enum Op {
         len: usize,
         chunk: usize,
         full_sequence: bool,
+        /// Tokens after the hit that a KV connector provides (loaded asynchronously).
+        external: usize,
     },
     /// A running request computes `n` more tokens (decode or another prefill chunk), with
     /// `lookahead` slots and `in_flight` tokens of an earlier step not yet processed.
@@ -46,8 +48,11 @@ enum Op {
         id: u8,
         n: usize,
     },
+    /// The request's blocks freed at once, or (`deferred`) popped and freed afterwards in
+    /// reverse order, as vLLM's scheduler does with a KV connector and async scheduling.
     Free {
         id: u8,
+        deferred: bool,
     },
     Reset,
     /// Arguments the engine must refuse: hits of another request, a block out of range.
@@ -60,19 +65,26 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let id = 0u8..6;
     prop_oneof![
-        (id.clone(), 0u8..3, 1usize..60, 1usize..64, any::<bool>()).prop_map(
-            |(id, chain, len, chunk, full_sequence)| Op::Admit {
+        (
+            id.clone(),
+            0u8..3,
+            1usize..60,
+            1usize..64,
+            any::<bool>(),
+            prop_oneof![Just(0), 1usize..12]
+        )
+            .prop_map(|(id, chain, len, chunk, full_sequence, external)| Op::Admit {
                 id,
                 chain,
                 len,
                 chunk,
-                full_sequence
-            }
-        ),
+                full_sequence,
+                external,
+            }),
         (id.clone(), 1usize..20, 0usize..4, 0usize..6)
             .prop_map(|(id, n, lookahead, in_flight)| Op::Compute { id, n, lookahead, in_flight }),
         (id.clone(), 1usize..12).prop_map(|(id, n)| Op::Append { id, n }),
-        id.clone().prop_map(|id| Op::Free { id }),
+        (id.clone(), any::<bool>()).prop_map(|(id, deferred)| Op::Free { id, deferred }),
         Just(Op::Reset),
         (id, 0u8..3).prop_map(|(id, kind)| Op::Bad { id, kind }),
     ]
@@ -218,7 +230,7 @@ fn check_invariants(m: &KvCacheManager, ids: &[u8]) {
 fn apply(m: &mut KvCacheManager, requests: &mut HashMap<u8, Request>, op: &Op) {
     let ids: Vec<u8> = (0..6).collect();
     match op {
-        Op::Admit { id, chain, len, chunk, full_sequence } => {
+        Op::Admit { id, chain, len, chunk, full_sequence, external } => {
             if requests.get(id).is_some_and(|r| r.admitted) {
                 return;
             }
@@ -232,10 +244,15 @@ fn apply(m: &mut KvCacheManager, requests: &mut HashMap<u8, Request>, op: &Op) {
             let hashes = r.hashes();
             let hit = m.lookup(&hashes[..], r.num_tokens - 1).unwrap();
             let computed = hit.num_tokens.min(r.num_tokens - 1);
-            let new = (r.num_tokens - computed).min(*chunk).max(1);
+            let external = (*external).min(r.num_tokens - 1 - computed);
+            // An asynchronous load computes nothing new in its first step.
+            let new = if external > 0 { 0 } else { (r.num_tokens - computed).min(*chunk).max(1) };
             let args = AllocateArgs {
                 num_new_tokens: new,
                 num_new_computed_tokens: hit.num_tokens,
+                num_external_computed_tokens: external,
+                delay_cache_blocks: external > 0,
+                skip_zeroing_groups: u64::from(*chunk % 2 == 0),
                 full_sequence_must_fit: *full_sequence,
                 has_scheduled_reqs: true,
                 ..AllocateArgs::default()
@@ -245,7 +262,7 @@ fn apply(m: &mut KvCacheManager, requests: &mut HashMap<u8, Request>, op: &Op) {
             if let Some(_new) =
                 m.allocate_slots(&name(*id), &state, &args, &hits, &hashes[..]).unwrap()
             {
-                r.num_computed_tokens += hit.num_tokens + new;
+                r.num_computed_tokens += hit.num_tokens + external + new;
                 r.admitted = true;
             }
         }
@@ -279,15 +296,26 @@ fn apply(m: &mut KvCacheManager, requests: &mut HashMap<u8, Request>, op: &Op) {
             let state = r.state(0);
             m.cache_blocks(&name(*id), &state, r.num_computed_tokens, &hashes[..]).unwrap();
         }
-        Op::Free { id } => {
-            m.free(&name(*id));
+        Op::Free { id, deferred } => {
+            if *deferred {
+                let held = m.pop_blocks_for_free(&name(*id));
+                let reversed: Vec<u32> = held.iter().rev().copied().collect();
+                m.free_blocks(&reversed).unwrap();
+            } else {
+                m.free(&name(*id));
+            }
             if let Some(r) = requests.get_mut(id) {
                 r.num_computed_tokens = 0;
                 r.admitted = false;
             }
         }
         Op::Reset => {
-            let idle = ids.iter().all(|&id| m.block_ids(&name(id)).is_none());
+            // Idle: no request holds a real block (a table of null blocks only holds none:
+            // external tokens a chunk or window already skipped get none).
+            let idle = ids.iter().all(|&id| {
+                m.block_ids(&name(id))
+                    .is_none_or(|t| t.groups.iter().all(|g| g.blocks.iter().all(|&b| b == 0)))
+            });
             assert_eq!(m.reset_prefix_cache(), idle);
         }
         Op::Bad { id, kind } => {

@@ -129,6 +129,39 @@ impl KvCacheManager {
         }
     }
 
+    /// vLLM's `pop_blocks_for_free`: forgets the request and returns its blocks, still held
+    /// (see [`KvCacheEngine::pop_blocks_for_free`]); empty for an unknown id.
+    pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Vec<u32> {
+        self.requests.remove(request_id).map(KvCacheEngine::pop_blocks_for_free).unwrap_or_default()
+    }
+
+    /// vLLM's `BlockPool.free_blocks` (see [`KvCacheEngine::free_blocks`]).
+    pub fn free_blocks(&mut self, ids: &[u32]) -> CoreResult<()> {
+        self.engine.free_blocks(ids)?;
+        self.drain_events("");
+        Ok(())
+    }
+
+    /// vLLM's coordinator `get_num_blocks_to_allocate` for `request_id` without hits (a
+    /// request not seen yet holds nothing).
+    pub fn num_blocks_to_allocate(
+        &self,
+        request_id: &str,
+        num_tokens: usize,
+        total_computed: usize,
+        cap: bool,
+    ) -> usize {
+        let empty;
+        let held = match self.requests.get(request_id) {
+            Some(held) => held,
+            None => {
+                empty = RequestBlocks::new(self.engine.num_groups());
+                &empty
+            }
+        };
+        self.engine.num_blocks_to_allocate(held, num_tokens, total_computed, cap)
+    }
+
     /// The request's block table in each group (empty for an unknown id).
     pub fn block_ids(&self, request_id: &str) -> Option<&RequestBlocks> {
         self.requests.get(request_id)

@@ -93,6 +93,12 @@ pub struct AllocateArgs {
     pub has_scheduled_reqs: bool,
     /// Blocks a layer above takes from the pool in the same call (copy-on-write).
     pub extra_blocks: usize,
+    /// vLLM's `num_external_computed_tokens`: tokens after the prefix hits whose KV a KV
+    /// connector provides (they get fresh blocks, registered once the load is done).
+    pub num_external_computed_tokens: usize,
+    /// vLLM's `skip_zeroing_group_ids` as a bit mask (bit `g`: group `g`'s blocks for
+    /// external tokens are written by an asynchronous load, so they are not zeroed).
+    pub skip_zeroing_groups: u64,
 }
 
 fn invalid(msg: impl Into<String>) -> CoreError {
@@ -305,7 +311,10 @@ impl KvCacheEngine {
         before_new_blocks: impl FnOnce(&mut BlockPool, &mut RequestBlocks),
     ) -> CoreResult<bool> {
         self.registered.clear();
-        if args.num_new_tokens == 0 && args.num_new_computed_tokens == 0 {
+        if args.num_new_tokens == 0
+            && args.num_new_computed_tokens == 0
+            && args.num_external_computed_tokens == 0
+        {
             return Err(invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
             ));
@@ -316,7 +325,10 @@ impl KvCacheEngine {
         let max_len = self.config.max_model_len;
         let local = request.num_computed_tokens.saturating_add(args.num_new_computed_tokens);
         self.check_hits(held, hits, local, request.num_tokens)?;
-        let total = local.min(max_len);
+        let external = args.num_external_computed_tokens;
+        // Local and external computed tokens (vLLM caps only some uses at max_model_len).
+        let computed = local.saturating_add(external);
+        let total = computed.min(max_len);
         let watermark = if args.has_scheduled_reqs && request.is_waiting {
             self.config.watermark_blocks
         } else {
@@ -330,7 +342,7 @@ impl KvCacheEngine {
             }
         }
         let main = total.saturating_add(args.num_new_tokens);
-        let slots = self.config.num_slots(local, args.num_new_tokens, args.num_lookahead_tokens);
+        let slots = self.config.num_slots(computed, args.num_new_tokens, args.num_lookahead_tokens);
         // Read the hashes this call may register first: a bad one must change nothing.
         let cache_upto = main.min(request.num_tokens);
         let keys = if args.delay_cache_blocks {
@@ -345,20 +357,25 @@ impl KvCacheEngine {
         self.remove_skipped_blocks(held, processed);
         // vLLM counts this chunk's blocks from the computed tokens before the max_model_len cap
         // (the full-sequence gate above uses the capped count).
-        let needed =
-            self.blocks_needed(held, slots, hits, local, false).saturating_add(args.extra_blocks);
+        let needed = self
+            .blocks_needed(held, slots, hits, computed, false)
+            .saturating_add(args.extra_blocks);
         // vLLM's `needed + watermark > free - reserved`, where the right side may be negative.
         let wanted = needed.saturating_add(watermark).saturating_add(args.reserved_blocks);
         if wanted > self.pool.num_free_blocks() {
             return Ok(false);
         }
 
-        if !no_hits(hits) && !held.is_tracked() {
-            // check_hits: a first allocation with caching on. Touch every group's hits
-            // before any group takes new blocks, so none can evict another's hit.
+        if (!no_hits(hits) || external > 0) && !held.is_tracked() {
+            // A first allocation adopting hits (check_hits: caching on) or external tokens.
+            // Touch every group's hits before any group takes new blocks, so none can evict
+            // another's hit; then the blocks for the external tokens.
             for (g, (spec, blocks)) in self.config.groups.iter().zip(&mut held.groups).enumerate() {
                 let group_hits = hits.get(g).copied().unwrap_or_default();
-                group::add_computed_blocks(spec, &mut self.pool, blocks, group_hits, local);
+                group::add_computed_blocks(spec, &mut self.pool, blocks, group_hits, computed);
+            }
+            if external > 0 {
+                self.allocate_external_blocks(held, local, external, args.skip_zeroing_groups);
             }
         }
         before_new_blocks(&mut self.pool, held);
@@ -375,6 +392,35 @@ impl KvCacheEngine {
             self.cache_with_keys(held, request, cache_upto, &keys);
         }
         Ok(true)
+    }
+
+    /// Blocks for `external` connector-provided tokens after `local` computed ones, per group
+    /// (vLLM's `allocate_external_computed_blocks`): only what the group's window still
+    /// reads, recorded for zeroing unless the group's bit is in `skip_zeroing`.
+    fn allocate_external_blocks(
+        &mut self,
+        held: &mut RequestBlocks,
+        local: usize,
+        external: usize,
+        skip_zeroing: u64,
+    ) {
+        let computed = local.saturating_add(external);
+        let zeroing = self.config.needs_kv_cache_zeroing;
+        let groups = self.config.groups.iter().zip(&mut held.groups).zip(&mut self.new_block_ids);
+        for (g, ((spec, blocks), ids)) in groups.enumerate() {
+            let skipped = spec.kind.num_skipped_tokens(computed);
+            let kept = if skipped > 0 { external.min(computed - skipped) } else { external };
+            if kept == 0 {
+                continue;
+            }
+            let from = blocks.blocks.len();
+            let missing = computed.div_ceil(spec.block_size).saturating_sub(from);
+            blocks.blocks.extend(self.pool.get_new_blocks(missing));
+            let skip = u32::try_from(g).ok().and_then(|g| skip_zeroing.checked_shr(g)).unwrap_or(0);
+            if zeroing && spec.kind.is_attention() && skip & 1 == 0 {
+                ids.extend_from_slice(blocks.blocks.get(from..).unwrap_or_default());
+            }
+        }
     }
 
     /// Records the attention groups' blocks the last `allocate_slots` took for the worker to
@@ -533,6 +579,52 @@ impl KvCacheEngine {
         out.sort_unstable();
         out.dedup();
         out
+    }
+
+    /// vLLM's `pop_blocks_for_free`: the request's blocks, group by group in allocation order,
+    /// each group's leading null blocks left out, still referenced; the caller frees them
+    /// later with [`Self::free_blocks`] (in reverse order, so that tail blocks go first).
+    pub fn pop_blocks_for_free(held: RequestBlocks) -> Vec<u32> {
+        held.groups
+            .into_iter()
+            .flat_map(|g| g.blocks.into_iter().skip_while(|&b| b == NULL_BLOCK))
+            .collect()
+    }
+
+    /// vLLM's `BlockPool.free_blocks` for blocks handed out by [`Self::pop_blocks_for_free`]:
+    /// drops one reference per listed id (null blocks ignored). Refused, changing nothing,
+    /// if an id is out of range or listed more often than it is referenced.
+    pub fn free_blocks(&mut self, ids: &[u32]) -> CoreResult<()> {
+        let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+        for &id in ids.iter().filter(|&&b| b != NULL_BLOCK) {
+            if id as usize >= self.pool.num_blocks() {
+                return Err(CoreError::OutOfRange {
+                    what: "block id",
+                    value: id as usize,
+                    limit: self.pool.num_blocks(),
+                });
+            }
+            let count = counts.entry(id).or_default();
+            *count += 1;
+            if *count > self.pool.ref_cnt(id) {
+                return Err(invalid(format!("block {id} is freed more often than it is held")));
+            }
+        }
+        self.pool.free_blocks(ids.iter().copied());
+        Ok(())
+    }
+
+    /// vLLM's coordinator `get_num_blocks_to_allocate` without hits: the blocks `held` needs
+    /// for `num_tokens` slots with `total_computed` computed tokens (`cap`: the admission
+    /// cap of recycling groups).
+    pub fn num_blocks_to_allocate(
+        &self,
+        held: &RequestBlocks,
+        num_tokens: usize,
+        total_computed: usize,
+        cap: bool,
+    ) -> usize {
+        self.blocks_needed(held, num_tokens, &[], total_computed, cap)
     }
 
     /// vLLM's `free`: every group releases the request's blocks, last block first.

@@ -465,3 +465,61 @@ fn mamba_groups_refuse_prefix_caching_and_different_block_sizes_need_caching_off
     assert!(err.contains("same block size"), "{err}");
     assert!(KvCacheManager::new(EngineConfig { enable_caching: false, ..sizes }).is_ok());
 }
+
+#[test]
+fn external_tokens_get_fresh_blocks_within_the_window_and_deferred_frees_keep_them_held() {
+    // vLLM's allocate_slots with a KV connector: 4 hit tokens, 8 external ones (an
+    // asynchronous load: nothing new to compute, registration delayed). Full attention needs
+    // ceil(12 / 4) = 3 blocks: the hit and 2 fresh ones. A 4-token window skips
+    // 12 + 1 - 4 = 9 tokens: 2 null blocks, and only block 2 (tokens 8..12) is taken.
+    let mut m = KvCacheManager::new(EngineConfig {
+        groups: vec![full(4), window(4, 4)],
+        lookup_sets: vec![vec![0], vec![1]],
+        needs_kv_cache_zeroing: true,
+        ..EngineConfig::single_group(20, 4, 1 << 20)
+    })
+    .unwrap();
+    admit(&mut m, "a", &hashes(1..2), 4);
+    m.free("a");
+    let hit = m.lookup(&hashes(1..4)[..], 15).unwrap();
+    assert_eq!((hit.num_tokens, hit.blocks[0].clone()), (4, vec![1]));
+    m.take_new_block_ids();
+    let args = AllocateArgs {
+        num_new_tokens: 0,
+        num_new_computed_tokens: 4,
+        num_external_computed_tokens: 8,
+        delay_cache_blocks: true,
+        skip_zeroing_groups: 0b10, // group 1's load writes its blocks: not zeroed
+        ..AllocateArgs::default()
+    };
+    let hits: Vec<&[u32]> = hit.blocks.iter().map(Vec::as_slice).collect();
+    let new = m.allocate_slots("b", &state(16), &args, &hits, &hashes(1..4)[..]).unwrap();
+    // No block for new tokens: the external ones are not returned (as vLLM's new_blocks).
+    assert_eq!(new, Some(vec![vec![], vec![]]));
+    let full_table = table(&m, "b", 0);
+    let window_table = table(&m, "b", 1);
+    assert_eq!(full_table.len(), 3);
+    assert_eq!(full_table[0], 1);
+    assert_eq!(window_table[..2], [NULL_BLOCK, NULL_BLOCK]);
+    assert_eq!(window_table.len(), 3);
+    assert_eq!(m.take_new_block_ids(), full_table[1..].to_vec());
+    // Delayed: nothing registered beyond the hit until the load is done.
+    assert_eq!(m.lookup(&hashes(1..4)[..], 15).unwrap().num_tokens, 4);
+
+    // Deferred free: the blocks come back still held, then are freed tail first.
+    let free_before = m.num_free_blocks();
+    let popped = m.pop_blocks_for_free("b");
+    assert_eq!(popped, [&full_table[..], &window_table[2..]].concat());
+    assert!(m.block_ids("b").is_none());
+    assert_eq!(m.num_free_blocks(), free_before);
+    let reversed: Vec<u32> = popped.iter().rev().copied().collect();
+    assert!(m.free_blocks(&[99]).is_err(), "out of range");
+    assert!(m.free_blocks(&[popped[1], popped[1]]).is_err(), "freed twice");
+    assert_eq!(m.num_free_blocks(), free_before, "a refused free changes nothing");
+    m.free_blocks(&reversed).unwrap();
+    assert_eq!(m.num_free_blocks(), free_before + popped.len());
+    // The unhashed ones were prepended in the order freed (so the tail is reused first), the
+    // hashed hit appended.
+    assert_eq!(free_queue(&m)[..3], [window_table[2], full_table[2], full_table[1]]);
+    assert_eq!(free_queue(&m).last(), Some(&1));
+}
