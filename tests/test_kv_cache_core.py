@@ -193,8 +193,12 @@ def test_bad_input_changes_nothing() -> None:
         c.allocate_for_request(
             request("a", [h(1)], 8, computed=6), 2, new_computed_blocks=KVCacheBlockIds([[1]])
         )
-    with pytest.raises(ValueError, match="connector"):
-        c.allocate_for_request(request("b", [], 8), 4, num_external_computed_tokens=4)
+    with pytest.raises(ValueError, match="encoder"):
+        c.allocate_for_request(request("b", [], 8), 4, num_encoder_tokens=4)
+    with pytest.raises(ValueError, match="group 1 out of range"):
+        c.allocate_for_request(request("b", [], 8), 4, skip_zeroing_group_ids=(1,))
+    with pytest.raises(ValueError, match="out of range"):
+        c.free_blocks([99])
     with pytest.raises(ValueError):
         c.cache_blocks(request("a", [h(1), b"\x00" * 7], 8), 8)
     assert (c.num_free_blocks, c.get_block_ids("a"), c.lookup([h(1)], 5)[1]) == state

@@ -63,10 +63,48 @@ class _GroupManager:
 class _Coordinator:
     """The part of vLLM's coordinator that the scheduler and EngineCore read."""
 
-    def __init__(self, specs: list[Any], eagle_group_ids: set[int]) -> None:
+    def __init__(self, specs: list[Any], eagle_group_ids: set[int], core: KVCacheCore) -> None:
         self.single_type_managers = tuple(_GroupManager(s, i) for i, s in enumerate(specs))
         self.enable_partial_hash_hits = False
         self.eagle_group_ids = eagle_group_ids
+        self._core = core
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """vLLM's, as its scheduler asks it with a KV connector (the blocks a prefilling
+        request still needs, to reserve them): no new hits, no encoder tokens."""
+        if any(new_computed_blocks) or num_encoder_tokens:
+            raise ValueError("kvblocks answers get_num_blocks_to_allocate without new hits only")
+        blocks: int = self._core.num_blocks_to_allocate(
+            request_id, num_tokens, total_computed_tokens, apply_admission_cap
+        )
+        return blocks
+
+
+class _BlockPool:
+    """The part of vLLM's ``BlockPool`` the scheduler uses with a KV connector: it frees the
+    blocks ``pop_blocks_for_free`` handed out (block ids here) once no step in flight reads
+    them."""
+
+    def __init__(self, core: KVCacheCore) -> None:
+        self._core = core
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        self._core.free_blocks(ordered_blocks)
+
+    def get_num_free_blocks(self) -> int:
+        free: int = self._core.num_free_blocks
+        return free
 
 
 def _engine_group(group: Any, max_in_flight_tokens: int, max_model_len: int) -> KVCacheGroup:
@@ -158,7 +196,6 @@ class KVCacheManager:
         eagle_group_ids = {i for i, g in enumerate(groups) if g.is_eagle_group}
         if use_eagle and not eagle_group_ids:
             eagle_group_ids = set(range(len(groups)))
-        self.coordinator = _Coordinator(specs, eagle_group_ids)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids = ()
         self.kv_cache_event_metadata = tuple(
@@ -185,6 +222,8 @@ class KVCacheManager:
         # Drained by the scheduler every step: straight to Rust.
         setattr(self, "take_new_block_ids", self._core.take_new_block_ids)  # noqa: B010
         self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
+        self.coordinator = _Coordinator(specs, eagle_group_ids, self._core)
+        self.block_pool = _BlockPool(self._core)
         self._events: list[KVCacheEvent] = []
         if not enable_kv_cache_events:
             # The hot path: vLLM's scheduler calls Rust directly (no Python frame here).
@@ -297,6 +336,25 @@ class KVCacheManager:
     def get_blocks(self, request_id: str) -> KVCacheBlockIds:
         return self._core.get_blocks(request_id)
 
+    def serve_kv_connector(self) -> None:
+        """Called once a KV connector is set (kvblocks.vllm.scheduler): ``get_blocks`` results
+        then also carry each block's prefix-cache key, which connectors read
+        (``.blocks[group][i].block_hash``)."""
+        core = self._core
+        setattr(self, "get_blocks", lambda request_id: core.get_blocks(request_id, True))  # noqa: B010
+
+    # -- what the scheduler calls with a KV connector ---------------------------------------
+
+    def pop_blocks_for_free(self, request: Request) -> list[int]:
+        """vLLM's: forgets the request and returns its blocks, still held, for the scheduler
+        to free through ``block_pool.free_blocks`` once no step in flight reads them."""
+        blocks: list[int] = self._core.pop_blocks_for_free(request.request_id)
+        return blocks
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """Only vLLM's Mamba "align" groups hand partial tails to a connector."""
+        return []
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         ids: tuple[list[int], ...] = self._core.get_block_ids(request_id)
         return ids
@@ -320,6 +378,7 @@ class KVCacheManager:
 
     # vLLM's own code where it only reads what this class sets the same way.
     get_num_common_prefix_blocks = VllmKVCacheManager.get_num_common_prefix_blocks
+    get_block_ids_for_computed_tokens = VllmKVCacheManager.get_block_ids_for_computed_tokens
     prefix_cache_lookup_enabled = VllmKVCacheManager.prefix_cache_lookup_enabled
     record_prefix_cache_stats = VllmKVCacheManager.record_prefix_cache_stats
     make_prefix_cache_stats = VllmKVCacheManager.make_prefix_cache_stats

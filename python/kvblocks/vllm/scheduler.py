@@ -69,6 +69,8 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     if reason is None:
         try:  # the manager checks its own arguments
             manager = KVCacheManager(**kwargs)
+            if vllm_config.kv_transfer_config is not None:  # an allowed connector
+                manager.serve_kv_connector()
         except Unsupported as refusal:
             reason, detail = refusal.reason, refusal.detail
         except Exception as error:  # a bug of ours must not stop vLLM: use vLLM's manager
@@ -76,11 +78,11 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     if reason is not None:
         _state.fall_back(_PART, reason, detail)
         return _vllm_manager_class()(**kwargs)
-    _state.activate(_PART, _describe(manager))
+    _state.activate(_PART, _describe(manager, vllm_config))
     return manager
 
 
-def _describe(manager: KVCacheManager) -> str:
+def _describe(manager: KVCacheManager, vllm_config: Any) -> str:
     """e.g. ``2 groups (full, sliding_window), 16-token blocks, prefix caching on``; each
     group's block size where they differ (``4/512-token blocks``)."""
     kinds = [kind for kind, _ in manager.kv_cache_event_metadata]
@@ -89,7 +91,9 @@ def _describe(manager: KVCacheManager) -> str:
     size = sizes[0] if len(set(sizes)) == 1 else "/".join(sizes)
     caching = "prefix caching on" if manager.enable_caching else "prefix caching off"
     eagle = ", EAGLE block drop" if manager.use_eagle else ""
-    return f"{groups}{size}-token blocks, {caching}{eagle}"
+    transfer = vllm_config.kv_transfer_config
+    connector = f", {transfer.kv_connector}" if transfer is not None else ""
+    return f"{groups}{size}-token blocks, {caching}{eagle}{connector}"
 
 
 def _asking_init(init: Callable[..., None]) -> Callable[..., None]:

@@ -19,10 +19,11 @@ option it does not know included, falls back to vLLM's own manager:
 - vLLM's sliding-window retention interval (passed to ``KVCacheCore``) where vLLM's own
   manager accepts it: not a nonzero one without a sliding-window group, nor a negative one
   or one that is not a multiple of the block size (those are ``vllm_rejects``);
-- none of: a KV or encoder-cache connector, auxiliary outputs, context parallelism, the
-  KV-cache metrics collector, an encoder-decoder model, a custom
-  scheduler class, lookahead hashing of two or more tokens with prefix caching but no
-  full-attention group; one of vLLM's four hash algorithms;
+- vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``), and
+  none of: another KV connector, an encoder-cache connector, auxiliary outputs, context
+  parallelism, the KV-cache metrics collector, an encoder-decoder model, a custom scheduler
+  class, lookahead hashing of two or more tokens with prefix caching but no full-attention
+  group; one of vLLM's four hash algorithms;
 - only the ``KVCacheManager`` arguments vLLM 0.33 passes.
 
 Each function returns ``None`` when supported, else the first :class:`~kvblocks.vllm._state.Reason`.
@@ -186,7 +187,8 @@ def unsupported_config(
     vllm_config: Any, *, allowed_scheduler_cls: tuple[Any, ...] = ()
 ) -> Reason | None:
     """What the engine's ``VllmConfig`` shows (the manager's arguments do not carry it)."""
-    if vllm_config.kv_transfer_config is not None:
+    transfer = vllm_config.kv_transfer_config
+    if transfer is not None and not _is_offloading_connector(transfer):
         return Reason.KV_CONNECTOR
     if vllm_config.ec_transfer_config is not None:
         return Reason.EC_CONNECTOR
@@ -216,6 +218,19 @@ def unsupported_config(
     return None
 
 
+#: The KV connectors whose scheduler side kvblocks' manager serves: vLLM's native CPU
+#: offloading (``--kv-offloading-size``), which reads of the manager only what kvblocks gives
+#: as vLLM does (block ids, each block's key at admission, deferred frees).
+CONNECTORS = frozenset({"OffloadingConnector"})
+
+
+def _is_offloading_connector(transfer: Any) -> bool:
+    """vLLM's own ``OffloadingConnector`` (by name, from vLLM's registry, not a module path
+    of the user's); HiSparse, whose connector reads vLLM's coordinator, is refused apart."""
+    name = getattr(transfer, "kv_connector", None)
+    return name in CONNECTORS and getattr(transfer, "kv_connector_module_path", None) is None
+
+
 def _is_allowed(scheduler_cls: Any, allowed: tuple[Any, ...]) -> bool:
     if isinstance(scheduler_cls, str):
         return scheduler_cls in {f"{c.__module__}.{c.__qualname__}" for c in allowed} | {
@@ -231,31 +246,24 @@ def _is_allowed(scheduler_cls: Any, allowed: tuple[Any, ...]) -> bool:
 #: ``KVCacheBlocks`` and what vLLM reads of the coordinator and its single-type managers, and
 #: requires each member to be implemented or listed here (and no listed one implemented).
 #: Members no vLLM code outside the manager calls are listed under the two holders of a
-#: manager kvblocks refuses: KV connectors (``bind_kv_cache_manager``) and custom schedulers.
+#: manager kvblocks refuses: KV connectors other than :data:`CONNECTORS`
+#: (``bind_kv_cache_manager``) and custom schedulers. (The OffloadingConnector's paths are
+#: implemented: deferred frees, the async-load reservation, finished requests' blocks.)
 UNREACHABLE: dict[str, tuple[str, ...]] = {
-    # The block pool: connectors bind it; the auxiliary-output connector reads it; the
-    # scheduler frees deferred (connector) and copy-on-write blocks into it.
-    "KVCacheManager.block_pool": ("kv_connector", "aux_output"),
-    # The scheduler's KV-connector paths: connector-side hits, deferred frees, finished
-    # requests handed to the connector, failed loads.
+    # The scheduler's paths for other connectors: connector-side hybrid hits, sub-block
+    # hits, failed loads.
     "KVCacheManager.get_computed_blocks_for_connector": ("kv_connector",),
     "KVCacheManager.truncate_computed_blocks": ("kv_connector",),
-    "KVCacheManager.pop_blocks_for_free": ("kv_connector",),
-    "KVCacheManager.get_block_ids_for_computed_tokens": ("kv_connector",),
-    "KVCacheManager.finalize_partial_tail_offloads": ("kv_connector",),
     "KVCacheManager.record_blocks_for_zeroing": ("kv_connector",),
     "KVCacheManager.evict_blocks": ("kv_connector",),
     "KVCacheManager.create_kv_cache_blocks": ("kv_connector", "scheduler_cls"),
     # What connectors read of the blocks they are handed (and the scheduler, for a connector's
     # in-flight loads).
-    "KVCacheBlocks.blocks": ("kv_connector",),
     "KVCacheBlocks.get_unhashed_block_ids": ("kv_connector",),
     "KVCacheBlocks.get_unhashed_block_ids_all_groups": ("kv_connector",),
     "KVCacheBlocks.new_empty": ("kv_connector", "scheduler_cls"),
     "KVCacheBlocks.__add__": ("kv_connector", "scheduler_cls"),
-    # The coordinator: the scheduler's reservation for in-flight async loads, the HiSparse
-    # and offloading connectors.
-    "coordinator.get_num_blocks_to_allocate": ("kv_connector",),
+    # The coordinator: HiSparse.
     "coordinator.num_reprefillable_tokens": ("kv_connector",),
     "coordinator.find_longest_cache_hit_per_group": ("kv_connector",),
     # A group's block pool: the UMBP connector and the auxiliary-output connector.

@@ -91,6 +91,31 @@ impl PyKvCacheGroup {
 #[pyclass(frozen, module = "kvblocks._core", name = "KVCacheBlockIds")]
 pub struct PyKvCacheBlockIds {
     groups: Vec<Vec<u32>>,
+    /// Per group and block, the prefix-cache key at the time the result was made (vLLM's
+    /// `block_hash`), where the result was asked for with them (`get_blocks(..., True)`).
+    keys: Option<Vec<Vec<Option<Py<PyBytes>>>>>,
+}
+
+/// One block of a `KVCacheBlockIds` result, as vLLM's KV connectors read a `KVCacheBlock`:
+/// its id, whether it is the null block, and the key it is registered under (or `None`).
+#[pyclass(frozen, module = "kvblocks._core", name = "KVCacheBlockView")]
+pub struct PyKvCacheBlockView {
+    #[pyo3(get)]
+    block_id: u32,
+    #[pyo3(get)]
+    block_hash: Option<Py<PyBytes>>,
+}
+
+#[pymethods]
+impl PyKvCacheBlockView {
+    #[getter]
+    fn is_null(&self) -> bool {
+        self.block_id == 0 // the null block
+    }
+
+    fn __repr__(&self) -> String {
+        format!("KVCacheBlockView({}, hashed={})", self.block_id, self.block_hash.is_some())
+    }
 }
 
 #[pymethods]
@@ -98,7 +123,37 @@ impl PyKvCacheBlockIds {
     #[new]
     #[pyo3(signature = (block_ids, /))]
     fn new(block_ids: Vec<Vec<u32>>) -> Self {
-        Self { groups: block_ids }
+        Self { groups: block_ids, keys: None }
+    }
+
+    /// vLLM's `KVCacheBlocks.blocks`: per group, the blocks as views (id, null or not, key).
+    /// Only for an empty result or one asked for with keys (`KVCacheCore.get_blocks(id,
+    /// True)`, what KV connectors get): an AttributeError otherwise.
+    #[getter]
+    fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let keys = match &self.keys {
+            Some(keys) => Some(keys),
+            None if self.groups.iter().all(Vec::is_empty) => None,
+            None => return Err(pyo3::exceptions::PyAttributeError::new_err(
+                "this KVCacheBlockIds holds block ids only (KVCacheCore.get_blocks(request_id, \
+                     True) also gives the blocks' keys)",
+            )),
+        };
+        let mut lists = Vec::with_capacity(self.groups.len());
+        for (g, ids) in self.groups.iter().enumerate() {
+            let views = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &block_id)| {
+                    let key =
+                        keys.and_then(|k| k.get(g)).and_then(|k| k.get(i)).and_then(Option::as_ref);
+                    let block_hash = key.map(|k| k.clone_ref(py));
+                    Py::new(py, PyKvCacheBlockView { block_id, block_hash })
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            lists.push(PyTuple::new(py, views)?);
+        }
+        PyTuple::new(py, lists)
     }
 
     /// vLLM's `KVCacheBlocks.get_block_ids`: one list of ids per group (of the groups in
@@ -189,7 +244,7 @@ impl PyKvCacheCore {
         if groups.iter().all(Vec::is_empty) {
             Ok(self.empty.clone_ref(py))
         } else {
-            Py::new(py, PyKvCacheBlockIds { groups })
+            Py::new(py, PyKvCacheBlockIds { groups, keys: None })
         }
     }
 
@@ -219,6 +274,23 @@ impl PyKvCacheCore {
 
     /// The hits vLLM hands back to `allocate_slots` (what `lookup` returned), or `None` for
     /// the shared empty result.
+    /// `skip_zeroing_group_ids` (an iterable of group ids, or `None`) as a bit mask.
+    fn group_mask(&self, group_ids: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let Some(group_ids) = group_ids else { return Ok(0) };
+        let mut mask = 0u64;
+        for item in group_ids.try_iter()? {
+            let g: usize = item?.extract()?;
+            if g >= self.num_groups() || g >= 64 {
+                return Err(PyValueError::new_err(format!(
+                    "skip_zeroing_group_ids: group {g} out of range ({} groups)",
+                    self.num_groups()
+                )));
+            }
+            mask |= 1 << g;
+        }
+        Ok(mask)
+    }
+
     fn hit_ids<'py>(
         &self,
         py: Python<'py>,
@@ -281,7 +353,10 @@ impl PyKvCacheCore {
         let windowed = config.is_windowed();
         Ok(Self {
             inner: Mutex::new(KvCacheManager::new(config)?),
-            empty: Py::new(py, PyKvCacheBlockIds { groups: vec![Vec::new(); num_groups] })?,
+            empty: Py::new(
+                py,
+                PyKvCacheBlockIds { groups: vec![Vec::new(); num_groups], keys: None },
+            )?,
             waiting_statuses,
             windowed,
         })
@@ -358,15 +433,13 @@ impl PyKvCacheCore {
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> GlueResult<Option<Py<PyKvCacheBlockIds>>> {
-        // It exempts blocks of external (KV-connector) tokens from zeroing: there are none.
-        let _ = skip_zeroing_group_ids;
-        if num_external_computed_tokens != 0 || num_encoder_tokens != 0 {
+        if num_encoder_tokens != 0 {
             return Err(PyValueError::new_err(
-                "kvblocks' KVCacheManager has no KV connector or encoder cache \
-                 (external or encoder tokens)",
+                "kvblocks' KVCacheManager has no encoder cache (encoder tokens)",
             )
             .into());
         }
+        let skip_zeroing_groups = self.group_mask(skip_zeroing_group_ids)?;
         let hit_ids = self.hit_ids(py, new_computed_blocks)?;
         let request_id = request.getattr(intern!(py, "request_id"))?;
         let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
@@ -381,6 +454,8 @@ impl PyKvCacheCore {
             delay_cache_blocks,
             has_scheduled_reqs,
             extra_blocks: 0,
+            num_external_computed_tokens,
+            skip_zeroing_groups,
         };
         let hashes = hashes_arg(&block_hashes)?;
         // No hits (the hot path, every decode step): no allocation.
@@ -391,6 +466,44 @@ impl PyKvCacheCore {
         let new = manager.allocate_slots(request_id, &state, &args, &hits, &hashes)?;
         drop(manager);
         Ok(new.map(|ids| self.blocks(py, ids)).transpose()?)
+    }
+
+    /// vLLM's `pop_blocks_for_free`: forgets the request and returns its blocks (each group's
+    /// in allocation order, leading null blocks left out), which stay held until
+    /// `free_blocks` (empty for an unknown id).
+    #[pyo3(signature = (request_id, /))]
+    fn pop_blocks_for_free(&self, request_id: &str) -> PyResult<Vec<u32>> {
+        Ok(self.lock()?.pop_blocks_for_free(request_id))
+    }
+
+    /// vLLM's `BlockPool.free_blocks` for block ids from `pop_blocks_for_free` (any iterable,
+    /// in eviction order); a ValueError, changing nothing, for an id out of range or freed
+    /// more often than held.
+    #[pyo3(signature = (block_ids, /))]
+    fn free_blocks(&self, block_ids: &Bound<'_, PyAny>) -> GlueResult<()> {
+        let ids = block_ids
+            .try_iter()?
+            .map(|item| item.and_then(|b| b.extract::<u32>()))
+            .collect::<PyResult<Vec<u32>>>()?;
+        Ok(self.lock()?.free_blocks(&ids)?)
+    }
+
+    /// vLLM's coordinator `get_num_blocks_to_allocate` for a request without new hits: the
+    /// blocks it needs for `num_tokens` slots with `total_computed_tokens` computed tokens.
+    #[pyo3(signature = (request_id, num_tokens, total_computed_tokens, apply_admission_cap = false))]
+    fn num_blocks_to_allocate(
+        &self,
+        request_id: &str,
+        num_tokens: usize,
+        total_computed_tokens: usize,
+        apply_admission_cap: bool,
+    ) -> PyResult<usize> {
+        Ok(self.lock()?.num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            total_computed_tokens,
+            apply_admission_cap,
+        ))
     }
 
     /// vLLM's `cache_blocks`: registers the request's full blocks up to `num_tokens` tokens.
@@ -443,14 +556,43 @@ impl PyKvCacheCore {
         PyTuple::new(py, lists)
     }
 
-    /// vLLM's `get_blocks`: the request's whole block tables (a copy).
-    #[pyo3(signature = (request_id, /))]
-    fn get_blocks(&self, py: Python<'_>, request_id: &str) -> PyResult<Py<PyKvCacheBlockIds>> {
-        let groups = match self.lock()?.block_ids(request_id) {
-            Some(held) => held.groups.iter().map(|g| g.blocks.clone()).collect(),
-            None => Vec::new(),
+    /// vLLM's `get_blocks`: the request's whole block tables (a copy); `with_keys` also takes
+    /// each block's prefix-cache key now, for `KVCacheBlockIds.blocks` (what KV connectors
+    /// read).
+    #[pyo3(signature = (request_id, with_keys = false, /))]
+    fn get_blocks(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        with_keys: bool,
+    ) -> PyResult<Py<PyKvCacheBlockIds>> {
+        let manager = self.lock()?;
+        let Some(held) = manager.block_ids(request_id) else {
+            drop(manager);
+            return self.blocks(py, Vec::new());
         };
-        self.blocks(py, groups)
+        let groups: Vec<Vec<u32>> = held.groups.iter().map(|g| g.blocks.clone()).collect();
+        if !with_keys {
+            drop(manager);
+            return self.blocks(py, groups);
+        }
+        let pool = manager.pool();
+        let keys = groups
+            .iter()
+            .map(|ids| {
+                ids.iter()
+                    .map(|&b| {
+                        pool.key(b).map(|key| {
+                            let mut bytes = key.hash.as_bytes().to_vec();
+                            bytes.extend_from_slice(&key.group.to_be_bytes());
+                            PyBytes::new(py, &bytes).unbind()
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        drop(manager);
+        Py::new(py, PyKvCacheBlockIds { groups, keys: Some(keys) })
     }
 
     #[pyo3(signature = (request_id, /))]

@@ -40,6 +40,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKvCacheCore>()?;
     m.add_class::<kv_cache::PyKvCacheBlockIds>()?;
+    m.add_class::<kv_cache::PyKvCacheBlockView>()?;
     m.add_class::<kv_cache::PyKvCacheGroup>()?;
     Ok(())
 }
