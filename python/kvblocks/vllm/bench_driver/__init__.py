@@ -15,7 +15,11 @@ model outputs. The scheduler, its KV-cache manager and the request block hasher 
   a step decided;
 - :mod:`~kvblocks.vllm.bench_driver.drafts`: the fake model's drafter (proposals, which
   drafts a step accepts, and how they reach the scheduler);
-- :mod:`~kvblocks.vllm.bench_driver.timing`: workloads and timed runs.
+- :mod:`~kvblocks.vllm.bench_driver.timing`: workloads and timed runs;
+- :mod:`~kvblocks.vllm.bench_driver.offloading`: vLLM's native CPU offloading (the
+  ``OffloadingConnector``, ``SchedulerSpec.kv_offloading``) with a fake worker side. It
+  imports vLLM, so it is not imported here: the driver imports it where a spec turns
+  offloading on.
 
 Importing the driver imports nothing of vLLM and changes no environment variable; it fails
 with ModuleNotFoundError where vllm is not installed (``kvblocks bench --engine vllm`` says so).

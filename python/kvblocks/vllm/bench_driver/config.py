@@ -147,8 +147,19 @@ class SchedulerSpec:
     scheduler: dict[str, Any] = field(default_factory=dict)
     #: More ``VllmConfig`` fields.
     extra: dict[str, Any] = field(default_factory=dict)
+    #: vLLM's native CPU offloading (the ``OffloadingConnector`` as ``--kv-offloading-size``
+    #: sets it up, :mod:`~kvblocks.vllm.bench_driver.offloading`): the CPU tier's size in
+    #: chunks, each ``blocks_per_chunk`` GPU blocks (1 unless ``kv_offloading_config`` says
+    #: otherwise); 0 turns it off. Requests need block hashes even without prefix caching
+    #: (``EngineCore`` hashes them for a KV connector too).
+    kv_offloading: int = 0
+    #: More ``kv_connector_extra_config`` for offloading (``eviction_policy``,
+    #: ``offload_prompt_only``, ``blocks_per_chunk``, ``self_describing_kv_events``, ...).
+    kv_offloading_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.kv_offloading < 0:
+            raise ValueError(f"kv_offloading must be >= 0 chunks, not {self.kv_offloading}")
         if self.async_scheduling and self.speculative and self.speculative.method == "suffix":
             # V2 does not run suffix decoding, and V1 refuses it with async scheduling.
             raise ValueError("vLLM has no model runner for suffix decoding under async scheduling")
@@ -188,6 +199,10 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         # caching caches Mamba states in "align" mode, else none.
         cache_config.mamba_cache_mode = "align" if spec.enable_caching else "none"
     extra = dict(spec.extra)
+    if spec.kv_offloading:
+        from kvblocks.vllm.bench_driver.offloading import kv_transfer_config
+
+        extra["kv_transfer_config"] = kv_transfer_config(spec, make_kv_cache_config(spec))
     if spec.kv_events:
         from vllm.config import KVEventsConfig
 
@@ -199,13 +214,19 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     parallel_config = extra.pop("parallel_config", None) or ParallelConfig()
     if speculation is not None:
         extra["speculative_config"] = speculative_config(speculation, models, parallel_config)
-    return VllmConfig(
+    config = VllmConfig(
         model_config=models,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         parallel_config=parallel_config,
         **extra,
     )
+    if spec.kv_offloading and async_flag:
+        # Back on after the CPU platform turned it off: with a KV connector the scheduler
+        # defers freeing blocks while a later step may still write them (defer_block_free),
+        # as it does under async scheduling on a GPU.
+        config.scheduler_config.async_scheduling = True
+    return config
 
 
 def layout_groups(layout: str | list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -263,9 +284,16 @@ def make_kv_cache_config(
         else:
             raise ValueError(f"unknown KV-cache group kind {kind!r}")
         groups.append(KVCacheGroupSpec([f"layer.{i}"], group_spec))
+    tensors = []
+    if spec.kv_offloading:
+        # The connector sizes the CPU tier's chunks from them (vLLM's planning always
+        # describes them; the scheduler and its KV-cache manager never read them).
+        from kvblocks.vllm.bench_driver.offloading import kv_cache_tensors
+
+        tensors = kv_cache_tensors(groups, spec.num_blocks)
     config = KVCacheConfig(
         num_blocks=spec.num_blocks,
-        kv_cache_tensors=[],
+        kv_cache_tensors=tensors,
         kv_cache_groups=groups,
         prefix_cache_retention_interval=spec.retention_interval,
     )

@@ -5,7 +5,9 @@ The fake model samples one token for each request whose prefill is done: a fixed
 the request id and the position (:func:`sampled_token`), so two runs that schedule alike
 produce alike. With a drafter (:class:`~kvblocks.vllm.bench_driver.drafts.Drafter`,
 speculative decoding) it also verifies the step's drafts: it returns the accepted ones and
-the token after them.
+the token after them. Where the scheduler has a KV connector (vLLM's CPU offloading:
+:mod:`~kvblocks.vllm.bench_driver.offloading`), it also runs the connector's worker side and
+returns what it reported.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from kvblocks.vllm.bench_driver.config import VOCAB_SIZE, select_cpu_platform
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
 
     from kvblocks.vllm.bench_driver.drafts import Drafter
+    from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
 
 
 def block_hasher(
@@ -70,13 +73,26 @@ class FakeModel:
     """Samples one token for every request whose prefill is done, deciding at schedule time
     (as the GPU would), so that outputs can be handed back one step late under async
     scheduling; with a ``drafter``, also the drafts it accepts, and then proposes the next
-    ones."""
+    ones.
+
+    Where the scheduler has a KV connector, :attr:`connector_worker` (built at the first
+    step, for that scheduler) is its worker side, stepped as vLLM's model runner steps it:
+    the output carries its ``kv_connector_output``. A request whose KV is still loading is
+    not scheduled, so it samples nothing."""
 
     def __init__(self, drafter: Drafter | None = None) -> None:
         self._num_sampled: dict[str, int] = {}
         self.drafter = drafter
+        self.connector_worker: ConnectorWorker | None = None
 
     def execute(self, scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+        kv_connector_output = None
+        if scheduler.connector is not None:
+            if self.connector_worker is None:
+                from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
+
+                self.connector_worker = ConnectorWorker(scheduler)
+            kv_connector_output = self.connector_worker.step(out)
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for req_id in req_ids:
@@ -101,7 +117,7 @@ class FakeModel:
                     for r, s in zip(req_ids, sampled, strict=True)
                 }
             )
-        return model_output(req_ids, sampled)
+        return model_output(req_ids, sampled, kv_connector_output)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts the engine core hands the scheduler after a step (vLLM's
@@ -109,8 +125,13 @@ class FakeModel:
         return None if self.drafter is None else self.drafter.take_draft_token_ids()
 
 
-def model_output(req_ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
-    """A model runner's output: ``sampled[i]`` is what request ``req_ids[i]`` sampled."""
+def model_output(
+    req_ids: list[str],
+    sampled: list[list[int]],
+    kv_connector_output: KVConnectorOutput | None = None,
+) -> ModelRunnerOutput:
+    """A model runner's output: ``sampled[i]`` is what request ``req_ids[i]`` sampled;
+    ``kv_connector_output``, what the KV connector's worker side reported."""
     select_cpu_platform()
     from vllm.v1.outputs import ModelRunnerOutput
 
@@ -121,12 +142,21 @@ def model_output(req_ids: list[str], sampled: list[list[int]]) -> ModelRunnerOut
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
+        kv_connector_output=kv_connector_output,
     )
 
 
 def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
-    """Everything a scheduler step decides, as plain comparable values."""
+    """Everything a scheduler step decides, as plain comparable values; the last three, what
+    its KV connector decided (CPU offloading: the load jobs, the store jobs and the job ids
+    it flushes, :func:`~kvblocks.vllm.bench_driver.offloading.connector_decisions`; empty
+    without a connector)."""
     cached = out.scheduled_cached_reqs
+    connector: tuple[Any, ...] = ([], [], [])
+    if out.kv_connector_metadata is not None:
+        from kvblocks.vllm.bench_driver.offloading import connector_decisions
+
+        connector = connector_decisions(out)
     return (
         sorted(out.num_scheduled_tokens.items()),
         [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],
@@ -145,4 +175,5 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
         sorted((r, list(t)) for r, t in out.scheduled_spec_decode_tokens.items()),
         out.new_block_ids_to_zero,
         out.kv_cache_block_copies,
+        *connector,
     )
