@@ -115,7 +115,8 @@ def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
         request = make_request(
             f"r{i}",
             r.prompt,
-            hasher if script.spec.enable_caching else None,
+            # EngineCore hashes requests for prefix caching or a KV connector.
+            hasher if script.spec.enable_caching or script.spec.kv_offloading else None,
             max_tokens=r.max_tokens,
             sampling=r.sampling,
             **kwargs,

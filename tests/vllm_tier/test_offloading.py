@@ -1,0 +1,141 @@
+"""vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``):
+vLLM's scheduler with the connector on vLLM's own KV-cache manager against the same on
+kvblocks', step by step (the driver: ``kvblocks.vllm.bench_driver.offloading``, vLLM's real
+CPU tier with a worker side that completes every transfer). Every ``SchedulerOutput`` with
+the connector's load, store and flush jobs, request output, statistic, usage figure, KV-event
+batch (GPU and CPU) and block table must be identical, and kvblocks' manager must have run
+(``both`` asserts it): external tokens, asynchronous loads, deferred frees under async
+scheduling, the async-load reservation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvblocks.vllm
+from kvblocks.vllm import _state
+from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler
+from tests.vllm_tier.harness import (
+    RequestSpec,
+    Script,
+    assert_same,
+    both,
+    featured_script,
+    shared_prefix_script,
+    soak_script,
+)
+
+#: Fields of a step's record: the snapshot's preemptions and the connector's jobs.
+PREEMPTED, LOADS, STORES, FLUSHED = 5, 9, 10, 11
+LAYOUTS: dict[str, list[tuple[str, int]]] = {
+    "llama": [("full", 0)],
+    "gpt-oss": [("full", 0), ("sliding_window", 16)],
+    "llama4": [("chunked_local", 32), ("full", 0)],
+}
+
+
+def spec_for(layout: str, **kwargs: Any) -> SchedulerSpec:
+    kwargs = {
+        "block_size": 4,
+        "num_blocks": 40 * len(LAYOUTS[layout]) + 1,
+        "kv_offloading": 48,
+        "kv_events": True,
+        "max_num_batched_tokens": 48,
+        **kwargs,
+    }
+    return SchedulerSpec(layout=LAYOUTS[layout], **kwargs)
+
+
+def steps(stock: list[Any]) -> list[Any]:
+    return [record[0] for record in stock[:-1] if record[0] is not None]
+
+
+def jobs(stock: list[Any], field: int) -> list[Any]:
+    return [job for snap in steps(stock) for job in snap[field]]
+
+
+def cpu_events(stock: list[Any]) -> list[str]:
+    return [
+        kind
+        for record in stock[:-1]
+        for batch in record[3]
+        for kind, event in batch
+        if event.get("medium") == "CPU"
+    ]
+
+
+def reset_then_repeat(spec: SchedulerSpec, seed: int) -> Script:
+    """Shared-prefix requests, a GPU prefix-cache reset once they are done (step 150), then
+    the same prompts again: they hit the CPU tier and load asynchronously."""
+    script = shared_prefix_script(spec, 12, seed=seed, prefix_lens=(8, 60), arrival_steps=10)
+    again = [RequestSpec(r.prompt, r.max_tokens, 160 + i) for i, r in enumerate(script.requests)]
+    script.requests += again
+    script.resets = [150]
+    return script
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cpu_hits_after_a_gpu_reset(model_dir: Path, layout: str, async_scheduling: bool) -> None:
+    spec = spec_for(layout, async_scheduling=async_scheduling)
+    stock, ours = both(model_dir, reset_then_repeat(spec, seed=list(LAYOUTS).index(layout)))
+    assert_same(stock, ours)
+    assert jobs(stock, STORES) and jobs(stock, LOADS), "stores, then loads after the reset"
+    assert "BlockStored" in cpu_events(stock)
+
+
+@pytest.mark.parametrize("layout", ["llama", "gpt-oss"])
+def test_small_pools_preempt_and_evict(
+    model_dir: Path, layout: str, async_scheduling: bool
+) -> None:
+    """A GPU pool that preempts (the longest request needs 33 of its 36 blocks per group)
+    and a CPU tier that evicts."""
+    groups = len(LAYOUTS[layout])
+    spec = spec_for(
+        layout, num_blocks=36 * groups + 1, kv_offloading=10, async_scheduling=async_scheduling
+    )
+    script = reset_then_repeat(spec, seed=4)
+    script.resets = [60, 150]
+    stock, ours = both(model_dir, script)
+    assert_same(stock, ours)
+    assert any(snap[PREEMPTED] for snap in steps(stock)), "must preempt"
+    assert "BlockRemoved" in cpu_events(stock), "the CPU tier must evict"
+
+
+def test_featured_script(model_dir: Path, async_scheduling: bool) -> None:
+    """Aborts, salts, LoRA, full-report mode, skip_reading_prefix_cache, failed and idle
+    resets, with the connector."""
+    spec = spec_for("gpt-oss", async_scheduling=async_scheduling, watermark=0.05)
+    stock, ours = both(model_dir, featured_script(spec, prefix_lens=(5, 80)))
+    assert_same(stock, ours)
+    assert jobs(stock, STORES)
+
+
+@pytest.mark.parametrize("layout", ["llama", "gpt-oss"])
+def test_soak(model_dir: Path, layout: str, async_scheduling: bool) -> None:
+    spec = spec_for(
+        layout,
+        num_blocks=40 * len(LAYOUTS[layout]) + 1,
+        kv_offloading=30,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+        async_scheduling=async_scheduling,
+    )
+    stock, ours = both(model_dir, soak_script(spec, seed=99))
+    assert len(stock) > 1000
+    assert_same(stock, ours)
+    assert jobs(stock, LOADS) and jobs(stock, FLUSHED)
+
+
+def test_the_connector_runs_on_kvblocks(model_dir: Path) -> None:
+    """What status() says, and that the connector got kvblocks' manager and its blocks."""
+    kvblocks.vllm.install("all")
+    _state.fallbacks.clear()
+    scheduler = make_scheduler(model_dir, spec_for("gpt-oss"))
+    manager = scheduler.kv_cache_manager
+    assert type(manager).__module__ == "kvblocks.vllm.kv_cache_manager"
+    assert scheduler.connector is not None
+    assert scheduler.connector._kv_cache_manager is manager
+    assert "4-token blocks, prefix caching on, OffloadingConnector" in str(kvblocks.vllm.status())
+    assert not _state.fallbacks
