@@ -40,6 +40,7 @@ import pytest
 import torch
 from vllm.config import (
     CacheConfig,
+    KVTransferConfig,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -77,7 +78,15 @@ MAX_MODEL_LEN = (NUM_BLOCKS - 1) * BLOCK_SIZE  # what 64 blocks (one is the null
 #: The pool per layout: the window group needs blocks of its own (vLLM's planner requires
 #: room for one request of MAX_MODEL_LEN in every group), and the pool stays small enough
 #: to preempt.
-POOL = {"llama": NUM_BLOCKS, "gpt-oss": NUM_BLOCKS + 22, "qwen3.5": NUM_BLOCKS + 24}
+POOL = {
+    "llama": NUM_BLOCKS,
+    "gpt-oss": NUM_BLOCKS + 22,
+    "qwen3.5": NUM_BLOCKS + 24,
+    "llama-offloading": NUM_BLOCKS,
+}
+#: ``--kv-offloading-size`` of the ``llama-offloading`` run, in GiB: about 60 blocks of the
+#: one layer (8 KiB each) on the CPU.
+KV_OFFLOADING_GIB = 0.0005
 LAYER = "model.layers.{}.self_attn.attn"
 WINDOW = 64  # the sliding window of the gpt-oss-like layout's second layer
 PREFIX_CACHE_FIELDS = (
@@ -110,6 +119,9 @@ class FakeExecutor(Executor):
         # request id -> [prompt tokens, tokens sampled so far]
         self._lengths: dict[str, list[int]] = {}
         self._pending: ModelRunnerOutput | None = None
+        # What the model runner does for vLLM's CPU offloading (a fake worker side that
+        # completes every transfer at once), set by drive_engine once the scheduler exists.
+        self.connector_worker: Any = None
         config = self.speculative_config
         self.drafter = None
         if config is not None:  # synchronous scheduling: drafts go to the engine core
@@ -127,6 +139,10 @@ class FakeExecutor(Executor):
 
     def check_health(self) -> None:
         pass
+
+    def get_kv_connector_handshake_metadata(self) -> list[Any]:
+        """The OffloadingConnector's workers have no handshake (vLLM's return None)."""
+        return [None]
 
     def shutdown(self) -> None:
         pass
@@ -205,10 +221,15 @@ class FakeExecutor(Executor):
         for req_id in out.finished_req_ids:
             self._lengths.pop(req_id, None)
         result: ModelRunnerOutput | None = None
-        if out.total_num_scheduled_tokens == 0:
+        connector_output = None
+        if self.connector_worker is not None:
+            connector_output = self.connector_worker.step(out)
+        if out.total_num_scheduled_tokens == 0 and connector_output is None:
             result = EMPTY_MODEL_RUNNER_OUTPUT
+        elif out.total_num_scheduled_tokens == 0:
+            result = model_output([], [], connector_output)
         else:  # as vLLM's model runner: execute_model returns None, sample_tokens samples
-            self._pending = model_output(req_ids, sampled)
+            self._pending = model_output(req_ids, sampled, connector_output)
         return _done(result) if non_block else result
 
     def sample_tokens(  # type: ignore[override]
@@ -259,10 +280,20 @@ def snapshot(out: SchedulerOutput) -> dict[str, Any]:
         "preempted": sorted(out.preempted_req_ids or ()),
         "num_common_prefix_blocks": list(out.num_common_prefix_blocks),
         "new_block_ids_to_zero": out.new_block_ids_to_zero,
+        "connector_jobs": connector_jobs(out),
         "spec_decode_tokens": sorted(
             [r, list(t)] for r, t in out.scheduled_spec_decode_tokens.items()
         ),
     }
+
+
+def connector_jobs(out: SchedulerOutput) -> Any:
+    """The OffloadingConnector's load, store and flush jobs of the step (JSON values)."""
+    if out.kv_connector_metadata is None:
+        return None
+    from kvblocks.vllm.bench_driver.offloading import connector_decisions
+
+    return json.loads(json.dumps(connector_decisions(out), default=lambda v: v.hex()))
 
 
 def as_dict(value: Any) -> dict[str, Any] | None:
@@ -313,8 +344,17 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         speculation = speculative_config(
             Speculation(method, NUM_DRAFTS), model_config, parallel_config
         )
+    layout = os.environ.get("KVBLOCKS_TEST_LAYOUT", "llama")
+    transfer = None
+    if layout == "llama-offloading":
+        # --kv-offloading-size, with the driver's spec (vLLM's CPU tier, a fake worker side).
+        from kvblocks.vllm.bench_driver.offloading import SPEC_MODULE, SPEC_NAME
+
+        extra = {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
+        transfer = KVTransferConfig(kv_connector_extra_config=extra)
     vllm_config = VllmConfig(
         model_config=model_config,
+        kv_transfer_config=transfer,
         parallel_config=parallel_config,
         speculative_config=speculation,
         # speculating: each request's accepted and proposed drafts per step, in its final output
@@ -333,7 +373,8 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
             block_size=BLOCK_SIZE,
             # vLLM runs Mamba layers with prefix caching only in its "align" mode.
             enable_prefix_caching=os.environ.get("KVBLOCKS_TEST_LAYOUT") != "qwen3.5",
-            num_gpu_blocks_override=POOL[os.environ.get("KVBLOCKS_TEST_LAYOUT", "llama")],
+            num_gpu_blocks_override=POOL[layout],
+            kv_offloading_size=KV_OFFLOADING_GIB if transfer is not None else None,
         ),
     )
     engine = EngineCore(vllm_config, executor_class=FakeExecutor, log_stats=True)
@@ -341,6 +382,10 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     assert isinstance(executor, FakeExecutor)
     scheduler = engine.scheduler
     assert isinstance(scheduler, Scheduler)
+    if transfer is not None:
+        from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
+
+        executor.connector_worker = ConnectorWorker(scheduler)
     input_processor = InputProcessor(vllm_config)
     supported_tasks = engine.get_supported_tasks()
 
@@ -525,6 +570,7 @@ def engine_results(processes: dict[str, subprocess.Popen[str]], tmp_path: Path) 
         pytest.param("gpt-oss", "ngram", id="gpt-oss-ngram"),
         pytest.param("llama", "eagle", id="llama-eagle"),
         pytest.param("qwen3.5", "", id="qwen3.5"),
+        pytest.param("llama-offloading", "", id="llama-kv-offloading"),
     ],
 )
 def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculation: str) -> None:
@@ -541,7 +587,8 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
     assert "mode=all" in on["status"]
     assert "fallback" not in on["status"]
     mamba = layout == "qwen3.5"
-    num_groups = {"llama": 1, "gpt-oss": 2, "qwen3.5": 4}[layout]
+    offloading = layout == "llama-offloading"
+    num_groups = {"llama": 1, "gpt-oss": 2, "qwen3.5": 4, "llama-offloading": 1}[layout]
     stock, ours = off["run"], on["run"]
     if mamba:  # no prefix caching: EngineCore builds no request block hasher
         assert off["hasher"] is on["hasher"] is None
@@ -560,7 +607,9 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
         assert off["hasher"] == "vllm.v1.core.kv_cache_utils"
         assert on["hasher"] == "kvblocks.vllm.block_hasher"
         groups = "2 groups (full_attention, sliding_window), " if layout == "gpt-oss" else ""
-        assert f"kv_cache_manager on {groups}16-token blocks, prefix caching on" in on["status"]
+        connector = ", OffloadingConnector" if offloading else ""
+        described = f"{groups}16-token blocks, prefix caching on{connector}"
+        assert f"kv_cache_manager on {described}" in on["status"]
         lookahead = SPECULATION_SETUP[speculation]["hash_lookahead"]
         hasher = (
             f"hasher on sha256, {lookahead} lookahead tokens" if lookahead else "hasher on sha256"
@@ -579,6 +628,13 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
     assert len(stock["tokens"]) == 20
     assert set(stock["finish_reasons"].values()) == {"length"}
     assert any(step["preempted"] for step in stock["scheduler_outputs"])
+    jobs = [step["connector_jobs"] for step in stock["scheduler_outputs"]]
+    if offloading:  # blocks went to the CPU tier, and some came back
+        assert all(j is not None for j in jobs)
+        assert any(stores for _loads, stores, _flushed in jobs)
+        assert any(loads for loads, _stores, _flushed in jobs)
+    else:
+        assert not any(jobs)
     max_tokens = {request_id: n for _, request_id, _, n in workload()}
     for request_id, tokens in stock["tokens"].items():  # drafts never change what is sampled
         assert tokens == [sampled_token(request_id, i) for i in range(max_tokens[request_id])]
