@@ -5,13 +5,16 @@ the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
   tokens, as ``EngineCore`` calls it when it builds each ``Request``;
 - one decode step's ``allocate_slots`` calls for 256 running requests, without timers, on
   each KV-cache layout of the driver (``config.LAYOUTS``: llama, gpt-oss, gemma3, llama4,
-  mla);
+  mla, and the Mamba hybrids qwen3.5 and jamba, which run with prefix caching off);
 - the shared-prefix workload (256 requests, 2,000-token prompts sharing 1,500 tokens, 32 and
   128 output tokens, block size 16, 8,192 blocks, one full-attention group), then the 32-token
   workload on each layout with 9,216 blocks per KV-cache group: scheduler-side CPU time
   (request arrival + ``schedule()`` + ``update_from_output()``) and the shares of it spent
   hashing at arrival and inside the KV-cache manager. Both runs must produce identical
-  scheduler outputs; on the layouts every request must run to its end without preemption.
+  scheduler outputs; on the layouts every request must run to its end without preemption;
+- the 32-token workload on the one-group layout with n-gram and EAGLE speculative decoding,
+  and with vLLM's native CPU offloading (``--kv-offloading-size``: the OffloadingConnector
+  storing every prompt block to the CPU tier).
 
 Every kvblocks case asserts that kvblocks' hasher and KV-cache manager really ran, with no
 fallback to vLLM's code (and every stock case that vLLM's own ran): a fallback would time
@@ -122,11 +125,17 @@ BLOCKS_PER_GROUP = 9216
 #: Speculative decoding on the one-group layout, 3 draft tokens: n-gram proposals, and EAGLE
 #: with vLLM's default lookahead block hashes (the fake model accepts 75% of drafts).
 SPECULATION = {"n-gram": Speculation("ngram", 3), "EAGLE": Speculation("eagle", 3)}
-#: (workload, layout, blocks per group, speculative method or "").
+#: vLLM's native CPU offloading (``--kv-offloading-size``: the OffloadingConnector with vLLM's
+#: CPU tier and LRU, a fake worker side completing every transfer at once) on the one-group
+#: layout: a CPU tier of this many blocks, which stores every prompt block once.
+OFFLOADING = "CPU offloading"
+OFFLOADING_CHUNKS = 16384
+#: (workload, layout, blocks per group, speculative method, OFFLOADING or "").
 SCHEDULER_CASES = (
     [(name, "llama", ONE_GROUP_BLOCKS, "") for name in WORKLOADS]
     + [("shared prefix, 32 output tokens", layout, BLOCKS_PER_GROUP, "") for layout in LAYOUTS]
     + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, m) for m in SPECULATION]
+    + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, OFFLOADING)]
 )
 
 #: What the layout cases run in an untimed pass (``--benchmark-disable``, as CI runs
@@ -171,7 +180,8 @@ def test_scheduler_cpu_time(
         enable_caching=prefix_caching_for(layout),
         max_num_seqs=256,
         max_num_batched_tokens=8192,
-        speculative=SPECULATION[method] if method else None,
+        speculative=SPECULATION.get(method),
+        kv_offloading=OFFLOADING_CHUNKS if method == OFFLOADING else 0,
     )
     layout_case = _is_layout_case(layout, blocks_per_group)
     workload = WORKLOADS[name]
@@ -183,7 +193,9 @@ def test_scheduler_cpu_time(
         runs.append(timed_run(model_dir, spec, workload))
 
     case = f"vLLM scheduler, 256 requests, {name}"
-    if method:
+    if method == OFFLOADING:
+        case = f"{case}, {method} ({OFFLOADING_CHUNKS:,} CPU blocks), {blocks_per_group:,} blocks"
+    elif method:
         case = f"{case}, {method} speculative decoding (k=3), {blocks_per_group:,} blocks"
     elif layout_case:
         case = _layout_case(f"{case}, {blocks_per_group:,} blocks per group", layout)
@@ -195,7 +207,10 @@ def test_scheduler_cpu_time(
     benchmark.extra_info["seconds"] = timings.scheduler
     assert all(s == snapshots for _, s in runs)
     assert_ran_on(installed, *(t.implementation for t, _ in runs))
-    if method:  # drafts were scheduled, some accepted: fewer steps than tokens to decode
+    if method == OFFLOADING:  # every request's prompt blocks were stored to the CPU tier
+        _assert_every_request_finished(snapshots, workload)
+        assert sum(len(snap[10]) for snap in snapshots) > 0
+    elif method:  # drafts were scheduled, some accepted: fewer steps than tokens to decode
         assert any(drafts for *_, drafts in snapshots)
         assert timings.steps < workload.output_len + 8
     elif layout_case:

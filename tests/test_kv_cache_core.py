@@ -266,3 +266,28 @@ def test_sizes_by_keyword_or_by_position() -> None:
         KVCacheCore(12, groups, lookup_sets=[[0]], max_model_len=8),
     ):
         assert (c.num_blocks, c.num_groups, c.num_free_blocks) == (12, 1, 11)
+
+
+def test_block_views_for_kv_connectors() -> None:
+    """``get_blocks(id, True).blocks``: per group, each block's id, whether it is the null
+    block, and its key then (vLLM's ``block_hash``: the hash and the group id as 4 bytes,
+    big-endian; ``None`` when unregistered). Without keys only an empty result has them."""
+    groups = [KVCacheGroup("full", 4), KVCacheGroup("sliding_window", 4, sliding_window=4)]
+    c = core(16, 4, groups)
+    admit(c, "a", [h(1), h(2)], 10)  # 3 blocks per group, 2 full ones registered
+    table = c.get_block_ids("a")
+    views = c.get_blocks("a", True).blocks
+    assert [[v.block_id for v in group] for group in views] == [list(ids) for ids in table]
+    assert [v.block_hash for v in views[0]] == [h(1) + b"\0\0\0\0", h(2) + b"\0\0\0\0", None]
+    # A 4-token window needs one block for a hit: every full block is registered (retention
+    # None); nothing is freed before the next allocation.
+    window = views[1]
+    assert [v.is_null for v in window] == [False, False, False]
+    assert [v.block_hash for v in window] == [h(1) + b"\0\0\0\1", h(2) + b"\0\0\0\1", None]
+    c.allocate_for_request(request("a", [h(1), h(2)], 11, computed=10), 1)
+    # 10 computed: the window skips 10 + 1 - 4 = 7 tokens, one whole block.
+    assert [v.is_null for v in c.get_blocks("a", True).blocks[1]] == [True, False, False]
+    with pytest.raises(AttributeError, match="block ids only"):
+        c.get_blocks("a").blocks  # noqa: B018
+    assert c.empty_kv_cache_blocks.blocks == ((), ())
+    assert c.get_blocks("unknown", True).blocks == ((), ())

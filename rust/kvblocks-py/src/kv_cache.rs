@@ -7,6 +7,7 @@
 use crate::errors::GlueResult;
 use crate::hasher::hash_bytes;
 use crate::sync::{lock, lock_attached};
+use kvblocks_core::pool::CacheKey;
 use kvblocks_core::{
     AllocateArgs, AttentionKind, BlockHash, CoreError, CoreResult, EngineConfig, GroupSpec,
     HashSource, KvCacheManager, ManagerEvent, RequestState,
@@ -93,7 +94,7 @@ pub struct PyKvCacheBlockIds {
     groups: Vec<Vec<u32>>,
     /// Per group and block, the prefix-cache key at the time the result was made (vLLM's
     /// `block_hash`), where the result was asked for with them (`get_blocks(..., True)`).
-    keys: Option<Vec<Vec<Option<Py<PyBytes>>>>>,
+    keys: Option<Vec<Vec<Option<CacheKey>>>>,
 }
 
 /// One block of a `KVCacheBlockIds` result, as vLLM's KV connectors read a `KVCacheBlock`:
@@ -102,19 +103,28 @@ pub struct PyKvCacheBlockIds {
 pub struct PyKvCacheBlockView {
     #[pyo3(get)]
     block_id: u32,
-    #[pyo3(get)]
-    block_hash: Option<Py<PyBytes>>,
+    key: Option<CacheKey>,
 }
 
 #[pymethods]
 impl PyKvCacheBlockView {
+    /// The hash followed by the group id (4 bytes, big-endian), or `None`.
+    #[getter]
+    fn block_hash<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.key.as_ref().map(|key| {
+            let mut bytes = key.hash.as_bytes().to_vec();
+            bytes.extend_from_slice(&key.group.to_be_bytes());
+            PyBytes::new(py, &bytes)
+        })
+    }
+
     #[getter]
     fn is_null(&self) -> bool {
         self.block_id == 0 // the null block
     }
 
     fn __repr__(&self) -> String {
-        format!("KVCacheBlockView({}, hashed={})", self.block_id, self.block_hash.is_some())
+        format!("KVCacheBlockView({}, hashed={})", self.block_id, self.key.is_some())
     }
 }
 
@@ -145,10 +155,8 @@ impl PyKvCacheBlockIds {
                 .iter()
                 .enumerate()
                 .map(|(i, &block_id)| {
-                    let key =
-                        keys.and_then(|k| k.get(g)).and_then(|k| k.get(i)).and_then(Option::as_ref);
-                    let block_hash = key.map(|k| k.clone_ref(py));
-                    Py::new(py, PyKvCacheBlockView { block_id, block_hash })
+                    let key = keys.and_then(|k| k.get(g)).and_then(|k| k.get(i)).copied().flatten();
+                    Py::new(py, PyKvCacheBlockView { block_id, key })
                 })
                 .collect::<PyResult<Vec<_>>>()?;
             lists.push(PyTuple::new(py, views)?);
@@ -577,20 +585,8 @@ impl PyKvCacheCore {
             return self.blocks(py, groups);
         }
         let pool = manager.pool();
-        let keys = groups
-            .iter()
-            .map(|ids| {
-                ids.iter()
-                    .map(|&b| {
-                        pool.key(b).map(|key| {
-                            let mut bytes = key.hash.as_bytes().to_vec();
-                            bytes.extend_from_slice(&key.group.to_be_bytes());
-                            PyBytes::new(py, &bytes).unbind()
-                        })
-                    })
-                    .collect()
-            })
-            .collect();
+        let keys =
+            groups.iter().map(|ids| ids.iter().map(|&b| pool.key(b).copied()).collect()).collect();
         drop(manager);
         Py::new(py, PyKvCacheBlockIds { groups, keys: Some(keys) })
     }

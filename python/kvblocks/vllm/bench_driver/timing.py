@@ -162,6 +162,7 @@ def timed_run(
     hasher_slot = [0.0, 0.0]
     if instrument and hasher is not None:
         hasher = _timed(hasher, hasher_slot)
+    if instrument:
         manager = scheduler.kv_cache_manager
         for name in MANAGER_METHODS:
             method = getattr(manager, name, None)
