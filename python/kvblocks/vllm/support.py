@@ -16,9 +16,8 @@ option it does not know included, falls back to vLLM's own manager:
   caching on or off);
 - speculative decoding by n-gram, suffix, EAGLE, EAGLE-3 or MTP (the EAGLE block drop,
   lookahead slots, prefill lookahead, lookahead hashing);
-- vLLM's sliding-window retention interval (passed to ``KVCacheCore``) where vLLM's own
-  manager accepts it: not a nonzero one without a sliding-window group, nor a negative one
-  or one that is not a multiple of the block size (those are ``vllm_rejects``);
+- vLLM's retention interval (passed to ``KVCacheCore`` with prefix caching) where vLLM's own
+  coordinator accepts it (its check decides; a refused one is ``vllm_rejects``);
 - vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``), and
   none of: another KV connector, an encoder-cache connector, auxiliary outputs, context
   parallelism, the KV-cache metrics collector, an encoder-decoder model, a custom scheduler

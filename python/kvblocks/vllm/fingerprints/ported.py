@@ -97,6 +97,7 @@ PORTED: dict[str, tuple[Source, ...]] = {
                 "FullAttentionManager",
                 "SlidingWindowManager",
                 "ChunkedLocalAttentionManager",
+                "MambaManager",
                 "get_manager_for_kv_cache_spec",
                 "register_all_kvcache_specs",
             ),
@@ -147,6 +148,7 @@ PORTED: dict[str, tuple[Source, ...]] = {
                 "SlidingWindowSpec",
                 "SlidingWindowMLASpec",
                 "ChunkedLocalAttentionSpec",
+                "MambaSpec",
                 "KVCacheGroupRole",
                 "KVCacheGroupSpec",
                 "KVCacheConfig",
@@ -165,5 +167,17 @@ PORTED: dict[str, tuple[Source, ...]] = {
         ),
         # The request fields the manager reads, and the statuses it admits.
         Source(_REQUEST, objects=("Request.__init__", "Request.num_tokens", "RequestStatus")),
+        # The OffloadingConnector, the one KV connector kvblocks' manager serves: what it
+        # reads of the manager (the block pool at binding, each block of a request's table at
+        # admission).
+        Source("vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py"),
+        Source(
+            "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
+            objects=("OffloadingConnectorScheduler.update_state_after_alloc",),
+        ),
+        Source(
+            "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
+            objects=("KVConnectorBase_V1.bind_kv_cache_manager",),
+        ),
     ),
 }
