@@ -26,6 +26,10 @@ fn window(block_size: usize, window: usize) -> GroupSpec {
     }
 }
 
+fn mamba(block_size: usize, speculative_blocks: usize) -> GroupSpec {
+    GroupSpec { kind: AttentionKind::Mamba { speculative_blocks }, ..full(block_size) }
+}
+
 fn chunked(block_size: usize, chunk: usize) -> GroupSpec {
     GroupSpec { kind: AttentionKind::ChunkedLocal { chunk }, ..full(block_size) }
 }
@@ -399,14 +403,8 @@ fn mamba_keeps_the_running_state_and_its_draft_blocks_and_only_attention_is_zero
     // vLLM's MambaManager without prefix caching: `num_tokens + block_size *
     // num_speculative_blocks` slots, and every block before the one holding token
     // `num_computed - 1` is freed. Groups may differ in block size without caching.
-    let mamba = GroupSpec {
-        kind: AttentionKind::Mamba { speculative_blocks: 1 },
-        block_size: 8,
-        max_admission_blocks: None,
-        is_eagle_group: false,
-    };
     let mut m = KvCacheManager::new(EngineConfig {
-        groups: vec![full(4), mamba],
+        groups: vec![full(4), mamba(8, 1)],
         lookup_sets: vec![vec![0], vec![1]],
         enable_caching: false,
         needs_kv_cache_zeroing: true,
@@ -442,14 +440,8 @@ fn mamba_keeps_the_running_state_and_its_draft_blocks_and_only_attention_is_zero
 
 #[test]
 fn mamba_groups_refuse_prefix_caching_and_different_block_sizes_need_caching_off() {
-    let mamba = GroupSpec {
-        kind: AttentionKind::Mamba { speculative_blocks: 0 },
-        block_size: 4,
-        max_admission_blocks: None,
-        is_eagle_group: false,
-    };
     let cached = EngineConfig {
-        groups: vec![full(4), mamba.clone()],
+        groups: vec![full(4), mamba(4, 0)],
         lookup_sets: vec![vec![0], vec![1]],
         ..EngineConfig::single_group(20, 4, 1 << 20)
     };
