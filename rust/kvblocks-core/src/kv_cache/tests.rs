@@ -127,7 +127,9 @@ fn refusals_change_nothing() {
     assert!(m.allocate_slots("b", &state(9), &args, two, &[][..]).is_err(), "two groups");
     assert_eq!((free_queue(&m), table(&m, "a", 0)), before);
     assert!(m.block_ids("b").is_none());
-    m.free("never-seen");
+    m.free("never-seen"); // vLLM frees requests that never got blocks: a no-op
+    assert!(m.pop_blocks_for_free("never-seen").is_empty());
+    assert_eq!((free_queue(&m), table(&m, "a", 0)), before);
 }
 
 #[test]
@@ -246,17 +248,21 @@ fn hybrid_hits_are_the_longest_prefix_every_group_serves() {
     // Full attention (group 0) and a window of 8 (group 1), block 4.
     let mut m = engine(30, vec![full(4), window(4, 8)]);
     let all = hashes(1..6);
-    admit(&mut m, "a", &all, 21); // 5 blocks each, all 5 cached
+    admit(&mut m, "a", &all, 21); // 6 blocks each, the 5 full ones cached
     assert_eq!(table(&m, "a", 0).len(), 6);
     m.free("a");
     let hit = m.lookup(&all[..], 20).unwrap();
     assert_eq!(hit.num_tokens, 20);
     assert_eq!(hit.blocks[0].len(), 5);
     assert_eq!(hit.blocks[1][..3], [0, 0, 0], "the window group needs only its last blocks");
-    // A longer prefix cached by full attention only: the hit is what both serve.
-    admit(&mut m, "b", &all[..3], 13);
-    let stored = m.take_events().into_iter().any(|e| matches!(e, ManagerEvent::Stored { .. }));
-    assert!(stored);
+    // A shorter request: both groups serve its 3 full blocks (12 of its 13 tokens); the
+    // window group needs only the 2 blocks under the last hit token.
+    let b = admit(&mut m, "b", &all[..3], 13);
+    assert_eq!(b.num_tokens, 12);
+    assert_eq!(b.blocks[0], table(&m, "b", 0)[..3]);
+    assert_eq!(b.blocks[1][0], NULL_BLOCK);
+    assert_eq!(b.blocks[1][1..], table(&m, "b", 1)[1..3]);
+    assert!(b.blocks[1][1..].iter().all(|&block| block != NULL_BLOCK));
 }
 
 #[test]
