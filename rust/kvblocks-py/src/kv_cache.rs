@@ -242,8 +242,14 @@ pub struct PyKvCacheCore {
     /// The request statuses the watermark applies to (vLLM's WAITING and PREEMPTED).
     waiting_statuses: Vec<Py<PyAny>>,
     /// Some group frees blocks out of a window or chunk: only then does the engine read the
-    /// request's prompt length, in-flight tokens and shared-prefix boundary.
+    /// request's in-flight tokens.
     windowed: bool,
+    /// Sparse retention of sliding-window blocks (prefix caching, a retention interval, a
+    /// window group): only then does the engine read the request's prompt length and
+    /// shared-prefix boundary.
+    boundaries: bool,
+    /// A watermark is set: only then does the engine read the request's status.
+    watermark: bool,
 }
 
 impl PyKvCacheCore {
@@ -256,21 +262,32 @@ impl PyKvCacheCore {
         }
     }
 
-    /// The fields of vLLM's `Request` the engine reads (the last three only where a group
-    /// has a window or chunk: full attention never uses them, and this runs on every call).
-    fn request_state(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<RequestState> {
-        let status = request.getattr(intern!(py, "status"))?;
+    /// The fields of vLLM's `Request` the engine reads, each only where the configuration
+    /// uses it (this runs on every call): the status only for the watermark, which applies
+    /// only when `has_scheduled_reqs`; the in-flight tokens only with a window or chunk; the
+    /// prompt length and shared-prefix boundary only for sparse retention.
+    fn request_state(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        has_scheduled_reqs: bool,
+    ) -> PyResult<RequestState> {
         let field =
             |name: &Bound<'_, PyString>| -> PyResult<usize> { request.getattr(name)?.extract() };
         let mut state = RequestState {
             num_tokens: field(intern!(py, "num_tokens"))?,
             num_computed_tokens: field(intern!(py, "num_computed_tokens"))?,
-            is_waiting: self.waiting_statuses.iter().any(|s| status.is(s.bind(py))),
             ..RequestState::default()
         };
+        if self.watermark && has_scheduled_reqs {
+            let status = request.getattr(intern!(py, "status"))?;
+            state.is_waiting = self.waiting_statuses.iter().any(|s| status.is(s.bind(py)));
+        }
         if self.windowed {
-            state.num_prompt_tokens = field(intern!(py, "num_prompt_tokens"))?;
             state.num_in_flight_tokens = field(intern!(py, "num_in_flight_tokens"))?;
+        }
+        if self.boundaries {
+            state.num_prompt_tokens = field(intern!(py, "num_prompt_tokens"))?;
             state.shared_prefix_boundary = field(intern!(py, "shared_prefix_boundary"))?;
         }
         Ok(state)
@@ -280,8 +297,6 @@ impl PyKvCacheCore {
         lock(&self.inner)
     }
 
-    /// The hits vLLM hands back to `allocate_slots` (what `lookup` returned), or `None` for
-    /// the shared empty result.
     /// `skip_zeroing_group_ids` (an iterable of group ids, or `None`) as a bit mask.
     fn group_mask(&self, group_ids: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
         let Some(group_ids) = group_ids else { return Ok(0) };
@@ -299,6 +314,8 @@ impl PyKvCacheCore {
         Ok(mask)
     }
 
+    /// The hits vLLM hands back to `allocate_slots` (what `lookup` returned), or `None` for
+    /// the shared empty result.
     fn hit_ids<'py>(
         &self,
         py: Python<'py>,
@@ -359,6 +376,9 @@ impl PyKvCacheCore {
             needs_kv_cache_zeroing,
         };
         let windowed = config.is_windowed();
+        let sliding = config.groups.iter().any(|g| g.kind.window_hit_blocks(1, false).is_some());
+        let boundaries = config.enable_caching && config.retention_interval.is_some() && sliding;
+        let watermark = config.watermark_blocks > 0;
         Ok(Self {
             inner: Mutex::new(KvCacheManager::new(config)?),
             empty: Py::new(
@@ -367,6 +387,8 @@ impl PyKvCacheCore {
             )?,
             waiting_statuses,
             windowed,
+            boundaries,
+            watermark,
         })
     }
 
@@ -452,7 +474,7 @@ impl PyKvCacheCore {
         let request_id = request.getattr(intern!(py, "request_id"))?;
         let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
-        let state = self.request_state(py, request)?;
+        let state = self.request_state(py, request, has_scheduled_reqs)?;
         let args = AllocateArgs {
             num_new_tokens,
             num_new_computed_tokens,
@@ -525,7 +547,7 @@ impl PyKvCacheCore {
         let request_id = request.getattr(intern!(py, "request_id"))?;
         let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
-        let state = self.request_state(py, request)?;
+        let state = self.request_state(py, request, false)?;
         let hashes = hashes_arg(&block_hashes)?;
         Ok(self.lock()?.cache_blocks(request_id, &state, num_tokens, &hashes)?)
     }
