@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
@@ -20,6 +22,8 @@ import kvblocks.vllm
 from kvblocks.vllm import _state
 from kvblocks.vllm.bench_driver import SchedulerSpec, Speculation, make_scheduler
 from tests.vllm_tier.harness import (
+    RequestSpec,
+    Script,
     assert_same,
     both,
     featured_script,
@@ -174,3 +178,42 @@ def test_prefix_caching_with_mamba_falls_back(model_dir: Path) -> None:
     assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
     assert _state.fallbacks == {("kv_cache_manager", "mamba_prefix_caching"): 1}
     assert "prefix caching with Mamba or linear-attention groups" in str(kvblocks.vllm.status())
+
+
+@st.composite
+def scripts(draw: st.DrawFn) -> Script:
+    """Random requests, aborts and resets on a random Mamba layout, prefix caching off."""
+    layout = draw(st.sampled_from(list(LAYOUTS)))
+    n = draw(st.integers(1, 10))
+    requests = [
+        RequestSpec(
+            prompt=draw(st.lists(st.integers(0, 999), min_size=1, max_size=90)),
+            max_tokens=draw(st.integers(1, 24)),
+            step=draw(st.integers(0, 12)),
+        )
+        for _ in range(n)
+    ]
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    attention_blocks = -(-longest // 4) + 2
+    groups = len(LAYOUTS[layout])
+    method = draw(st.sampled_from([None, None, "ngram", "eagle"]))
+    spec = spec_for(
+        layout,
+        # room for the longest request: its attention blocks and each Mamba group's states
+        num_blocks=draw(st.integers(attention_blocks, attention_blocks + 30)) + 4 * groups,
+        max_num_seqs=draw(st.sampled_from([1, 2, 4, 16])),
+        max_num_batched_tokens=draw(st.sampled_from([8, 16, 64])),
+        async_scheduling=draw(st.booleans()),
+        kv_events=draw(st.booleans()),
+        speculative=Speculation(method, 3) if method else None,
+    )
+    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1)), max_size=2))
+    resets = draw(st.lists(st.integers(0, 60), max_size=2))
+    return Script(spec, requests, aborts, resets)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=scripts())
+def test_random_scripts(model_dir: Path, script: Script) -> None:
+    stock, ours = both(model_dir, script)
+    assert_same(stock, ours)

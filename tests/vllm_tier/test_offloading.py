@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
@@ -141,3 +143,43 @@ def test_the_connector_runs_on_kvblocks(model_dir: Path) -> None:
     assert scheduler.connector._kv_cache_manager is manager
     assert "4-token blocks, prefix caching on, OffloadingConnector" in str(kvblocks.vllm.status())
     assert not _state.fallbacks
+
+
+@st.composite
+def scripts(draw: st.DrawFn) -> Script:
+    """Random shared-prefix requests, aborts and GPU resets with a random CPU tier size."""
+    layout = draw(st.sampled_from(list(LAYOUTS)))
+    prefixes = draw(
+        st.lists(st.lists(st.integers(0, 999), min_size=4, max_size=60), min_size=1, max_size=3)
+    )
+    n = draw(st.integers(1, 12))
+    requests = [
+        RequestSpec(
+            prompt=draw(st.sampled_from(prefixes))
+            + draw(st.lists(st.integers(0, 999), max_size=20)),
+            max_tokens=draw(st.integers(1, 16)),
+            step=draw(st.integers(0, 40)),
+        )
+        for _ in range(n)
+    ]
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    per_group = -(-longest // 4) + 2
+    spec = spec_for(
+        layout,
+        num_blocks=draw(st.integers(per_group, per_group + 30)) * len(LAYOUTS[layout]) + 1,
+        kv_offloading=draw(st.sampled_from([4, 16, 64])),
+        max_num_seqs=draw(st.sampled_from([1, 4, 16])),
+        max_num_batched_tokens=draw(st.sampled_from([8, 16, 64])),
+        async_scheduling=draw(st.booleans()),
+        kv_events=draw(st.booleans()),
+    )
+    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1)), max_size=2))
+    resets = draw(st.lists(st.integers(0, 60), max_size=3))
+    return Script(spec, requests, aborts, resets)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=scripts())
+def test_random_scripts(model_dir: Path, script: Script) -> None:
+    stock, ours = both(model_dir, script)
+    assert_same(stock, ours)
