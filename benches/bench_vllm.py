@@ -56,6 +56,8 @@ from kvblocks.vllm.bench_driver import (
 from kvblocks.vllm.bench_driver.timing import IMPLEMENTATION_MODULES
 
 IMPLS = ["vllm", "kvblocks"]
+#: Fields of a step's snapshot (``bench_driver.snapshot``): scheduled drafts, connector stores.
+DRAFTS, STORES = 6, 10
 SNAPSHOTS: dict[str, list[Any]] = {}
 HASHES: dict[tuple[str, str], list[list[bytes]]] = {}
 
@@ -209,9 +211,9 @@ def test_scheduler_cpu_time(
     assert_ran_on(installed, *(t.implementation for t, _ in runs))
     if method == OFFLOADING:  # every request's prompt blocks were stored to the CPU tier
         _assert_every_request_finished(snapshots, workload)
-        assert sum(len(snap[10]) for snap in snapshots) > 0
+        assert sum(len(snap[STORES]) for snap in snapshots) > 0
     elif method:  # drafts were scheduled, some accepted: fewer steps than tokens to decode
-        assert any(drafts for *_, drafts in snapshots)
+        assert any(snap[DRAFTS] for snap in snapshots)
         assert timings.steps < workload.output_len + 8
     elif layout_case:
         _assert_every_request_finished(snapshots, workload)

@@ -21,8 +21,10 @@ into plain values (what :func:`~kvblocks.vllm.bench_driver.fake_model.snapshot` 
 
 Nothing imports this module when the driver is imported: the driver's functions import it
 once they have selected vLLM's CPU platform, and vLLM imports it by name
-(``spec_module_path``) when it builds a connector. Imported first, it selects the platform
-itself.
+(``spec_module_path``) when it builds a connector. It imports vLLM at once (its classes extend
+vLLM's) and sets no environment variable: import it after the driver has selected vLLM's CPU
+platform (any driver function that builds a configuration does), or with
+``VLLM_TARGET_DEVICE=cpu`` set.
 """
 
 from __future__ import annotations
@@ -30,36 +32,32 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from kvblocks.vllm.bench_driver.config import select_cpu_platform
-
-select_cpu_platform()  # before vLLM's first import (see config's docstring)
-
-import torch  # noqa: E402
-from vllm.config import KVTransferConfig, set_current_vllm_config  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: E402
+import torch
+from vllm.config import KVTransferConfig, set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     TransferJob,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.forward_context import ForwardContext  # noqa: E402
-from vllm.utils.math_utils import round_up  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.forward_context import ForwardContext
+from vllm.utils.math_utils import round_up
+from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheTensor,
     MLAAttentionSpec,
 )
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.outputs import KVConnectorOutput
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
