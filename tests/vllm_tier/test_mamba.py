@@ -123,10 +123,10 @@ def test_aborts_salts_lora_and_resets(model_dir: Path, layout: str) -> None:
     assert_same(stock, ours)
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "eagle", "mtp"])
 def test_speculative_blocks(model_dir: Path, method: str, async_scheduling: bool) -> None:
-    """n-gram and EAGLE drafts: each Mamba group also holds blocks for the draft tokens'
-    states (``num_speculative_blocks``)."""
+    """n-gram, EAGLE and MTP (Qwen3.5's own drafter) drafts: each Mamba group also holds
+    blocks for the draft tokens' states (``num_speculative_blocks``)."""
     spec = spec_for(
         "qwen3.5",
         num_blocks=90,
