@@ -468,6 +468,8 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         "manager": type(scheduler.kv_cache_manager).__module__,
         "hasher": getattr(engine.request_block_hasher, "__module__", None),
         "status": str(kvblocks.vllm.status()),
+        # What external routers read of the groups (EngineCore's own method).
+        "group_metadata": engine.get_kv_cache_group_metadata(),
         "speculation": {
             "hash_lookahead": scheduler.num_hash_lookahead_tokens,
             "block_drop": scheduler.kv_cache_manager.use_eagle,
@@ -618,6 +620,11 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
         assert stock["prefix_cache_totals"]["hits"] > 0
         assert all(stock["block_hashes"].values())
         assert not any(step["new_block_ids_to_zero"] for step in stock["scheduler_outputs"])
+    assert off["group_metadata"] == on["group_metadata"]
+    sizes = [m["block_size"] for m in on["group_metadata"]]
+    assert sizes == (
+        [16, MAX_MODEL_LEN, MAX_MODEL_LEN, MAX_MODEL_LEN] if mamba else [16] * num_groups
+    )
     eagle_groups = [speculation == "eagle"] + [False] * (num_groups - 1)
     setup = {**SPECULATION_SETUP[speculation], "eagle_groups": eagle_groups}
     assert off["speculation"] == on["speculation"] == setup
