@@ -191,7 +191,7 @@ def bench_engine(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from kvblocks.engine import LLM, SamplingParams, parse_device
+        from kvblocks.engine import LLM, PoolTooSmall, SamplingParams, parse_device
     except ModuleNotFoundError as e:  # torch is an optional extra
         print(f"kvblocks bench needs torch ({e}): {install_hint('torch')}", file=sys.stderr)
         return 2
@@ -234,9 +234,7 @@ def bench_engine(args: argparse.Namespace) -> int:
                 warmup=args.warmup,
                 progress=_show_bar,
             )
-        except RuntimeError as e:
-            if "num_blocks" not in str(e):
-                raise
+        except PoolTooSmall as e:
             longest = args.prefix_len + args.suffix_len + args.output_len
             needs = -(-longest // args.block_size)
             raise RuntimeError(

@@ -22,6 +22,10 @@ from kvblocks.scheduler import Scheduler, SchedulerOutput, Sequence
 from kvblocks.step import BlockManagerProtocol
 
 
+class PoolTooSmall(RuntimeError):
+    """The KV-cache pool cannot hold a single request (raise ``num_blocks``)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -228,7 +232,7 @@ class LLM:
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         if out is None:
-            raise RuntimeError("the pool cannot hold a single request: raise num_blocks")
+            raise PoolTooSmall("the pool cannot hold a single request: raise num_blocks")
         logits = self.runner.execute(out.step)
         self._bookkeeping_in_sampling = 0.0
         self.scheduler.update(self._sample(out, logits))
