@@ -40,9 +40,10 @@ RequestBlockHasher = Callable[[Request], list[bytes]]
 
 
 def _hash_function_names() -> dict[Callable[[Any], bytes], str]:
-    from vllm.utils import hashing
+    """vLLM's function for each algorithm kvblocks implements, as vLLM itself names them."""
+    from vllm.utils.hashing import get_hash_fn_by_name
 
-    return {getattr(hashing, name): name for name in ALGORITHMS}
+    return {get_hash_fn_by_name(name): name for name in ALGORITHMS}
 
 
 class _SeededHasher:
