@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from hypothesis import strategies as st
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched import scheduler as scheduler_module
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -217,3 +218,15 @@ def soak_script(spec: SchedulerSpec, seed: int, *, spacing: int = 8) -> Script:
     script.aborts = [(i * 40, i * 3) for i in range(20)]
     script.resets = list(range(0, 1500, 97))
     return script
+
+
+def draw_aborts_and_resets(
+    draw: Any, num_requests: int, *, max_resets: int = 2
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """For a random script (hypothesis ``draw``): up to two aborts (step, request index) and
+    up to ``max_resets`` prefix-cache resets (steps)."""
+    aborts = draw(
+        st.lists(st.tuples(st.integers(0, 40), st.integers(0, num_requests - 1)), max_size=2)
+    )
+    resets = draw(st.lists(st.integers(0, 60), max_size=max_resets))
+    return aborts, resets

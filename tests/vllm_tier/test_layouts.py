@@ -19,6 +19,7 @@ from tests.vllm_tier.harness import (
     Script,
     assert_same,
     both,
+    draw_aborts_and_resets,
     featured_script,
     shared_prefix_script,
     soak_script,
@@ -143,8 +144,7 @@ def scripts(draw: st.DrawFn) -> Script:
         kv_events=draw(st.booleans()),
         retention_interval=draw(st.sampled_from([None, 0, 8] if has_window(layout) else [0])),
     )
-    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1)), max_size=2))
-    resets = draw(st.lists(st.integers(0, 60), max_size=2))
+    aborts, resets = draw_aborts_and_resets(draw, n)
     return Script(spec, requests, aborts, resets)
 
 

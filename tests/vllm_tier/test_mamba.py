@@ -26,6 +26,7 @@ from tests.vllm_tier.harness import (
     Script,
     assert_same,
     both,
+    draw_aborts_and_resets,
     featured_script,
     shared_prefix_script,
     soak_script,
@@ -207,8 +208,7 @@ def scripts(draw: st.DrawFn) -> Script:
         kv_events=draw(st.booleans()),
         speculative=Speculation(method, 3) if method else None,
     )
-    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1)), max_size=2))
-    resets = draw(st.lists(st.integers(0, 60), max_size=2))
+    aborts, resets = draw_aborts_and_resets(draw, n)
     return Script(spec, requests, aborts, resets)
 
 

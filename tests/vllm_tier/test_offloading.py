@@ -24,6 +24,7 @@ from tests.vllm_tier.harness import (
     Script,
     assert_same,
     both,
+    draw_aborts_and_resets,
     featured_script,
     shared_prefix_script,
     soak_script,
@@ -173,8 +174,7 @@ def scripts(draw: st.DrawFn) -> Script:
         async_scheduling=draw(st.booleans()),
         kv_events=draw(st.booleans()),
     )
-    aborts = draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1)), max_size=2))
-    resets = draw(st.lists(st.integers(0, 60), max_size=3))
+    aborts, resets = draw_aborts_and_resets(draw, n, max_resets=3)
     return Script(spec, requests, aborts, resets)
 
 
