@@ -107,6 +107,29 @@ pub(super) fn allocate_new_blocks(
     }
 }
 
+/// Fresh blocks for `external` connector-provided tokens after `local` computed ones (vLLM's
+/// `allocate_external_computed_blocks`; no draft-state slots), appended to the table: none
+/// when the group's window or chunk no longer reads any of them. Returns where they start.
+pub(super) fn allocate_external_blocks(
+    spec: &GroupSpec,
+    pool: &mut BlockPool,
+    held: &mut GroupBlocks,
+    local: usize,
+    external: usize,
+) -> usize {
+    let from = held.blocks.len();
+    let computed = local.saturating_add(external);
+    let skipped = spec.kind.num_skipped_tokens(computed);
+    if skipped > 0 && external.min(computed - skipped) == 0 {
+        return from;
+    }
+    let missing = computed.div_ceil(spec.block_size).saturating_sub(from);
+    if missing > 0 {
+        held.blocks.extend_from_slice(&pool.get_new_blocks(missing));
+    }
+    from
+}
+
 /// Frees the blocks no later token reads once `num_processed` tokens are done, replacing
 /// them by the null block (vLLM's `remove_skipped_blocks`). Walks back from the last
 /// skipped block to the first null one, so repeated calls only free what is new.

@@ -404,20 +404,13 @@ impl KvCacheEngine {
         external: usize,
         skip_zeroing: u64,
     ) {
-        let computed = local.saturating_add(external);
         let zeroing = self.config.needs_kv_cache_zeroing;
         let groups = self.config.groups.iter().zip(&mut held.groups).zip(&mut self.new_block_ids);
         for (g, ((spec, blocks), ids)) in groups.enumerate() {
-            let skipped = spec.kind.num_skipped_tokens(computed);
-            let kept = if skipped > 0 { external.min(computed - skipped) } else { external };
-            if kept == 0 {
-                continue;
-            }
-            let from = blocks.blocks.len();
-            let missing = computed.div_ceil(spec.block_size).saturating_sub(from);
-            blocks.blocks.extend(self.pool.get_new_blocks(missing));
-            let skip = u32::try_from(g).ok().and_then(|g| skip_zeroing.checked_shr(g)).unwrap_or(0);
-            if zeroing && spec.kind.is_attention() && skip & 1 == 0 {
+            let from =
+                group::allocate_external_blocks(spec, &mut self.pool, blocks, local, external);
+            let skipped = g < 64 && (skip_zeroing >> g) & 1 == 1;
+            if zeroing && spec.kind.is_attention() && !skipped {
                 ids.extend_from_slice(blocks.blocks.get(from..).unwrap_or_default());
             }
         }
