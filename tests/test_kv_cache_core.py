@@ -213,8 +213,12 @@ def test_bad_input_changes_nothing() -> None:
         KVCacheGroup("sliding_window", 4)  # no window
     with pytest.raises(ValueError, match="expected"):
         KVCacheGroup("full", 4, num_speculative_blocks=1)  # draft-state blocks are Mamba's
-    with pytest.raises(ValueError, match="without prefix caching"):
-        core(8, 4, [KVCacheGroup("full", 4), KVCacheGroup("mamba", 4)])
+    with pytest.raises(ValueError, match="at most one lookahead token"):
+        core(8, 4, [KVCacheGroup("full", 4), KVCacheGroup("mamba", 4)], num_hash_lookahead_tokens=2)
+    with pytest.raises(ValueError, match="expected"):
+        KVCacheGroup("full", 4, prefill_checkpoint_alignment=4)  # checkpoints are Mamba's
+    with pytest.raises(ValueError, match="checkpoint alignment"):
+        core(8, 4, [KVCacheGroup("mamba", 4, prefill_checkpoint_alignment=0)])
 
 
 def test_mamba_groups_and_zeroing_without_prefix_caching() -> None:
@@ -232,6 +236,26 @@ def test_mamba_groups_and_zeroing_without_prefix_caching() -> None:
     unzeroed = core(16, 4, groups, enable_caching=False)
     unzeroed.allocate_for_request(request("a", [], 10), 10)
     assert unzeroed.take_new_block_ids() == []
+
+
+def test_mamba_prefix_caching_defers_a_state_cached_in_this_step() -> None:
+    """Full attention and a Mamba group of 4-token blocks with prefix caching (vLLM's align
+    mode): 8 of a 9-token prompt leave the Mamba state after 8 tokens in column 1, the column
+    before it null, and cache it. A request with the same prompt hits it, but waits while the
+    step that cached it lasts (``new_step_starts`` ends it)."""
+    c = core(16, 4, [KVCacheGroup("full", 4), KVCacheGroup("mamba", 4)])
+    hashes = [h(1), h(2)]
+    assert c.allocate_for_request(request("a", hashes, 9), 8) is not None
+    assert c.get_block_ids("a") == ([1, 2], [0, 3])
+    hits, num_hit, _ = c.lookup(hashes, 8)
+    assert (hits.get_block_ids(), num_hit) == (([1, 2], [0, 3]), 8)
+    b = request("b", hashes, 9)
+    kwargs = {"num_new_computed_tokens": 8, "new_computed_blocks": hits}
+    assert c.allocate_for_request(b, 1, **kwargs) is None
+    assert c.get_block_ids("b") == ([], [])
+    c.new_step_starts()
+    assert c.allocate_for_request(b, 1, **kwargs) is not None
+    assert c.get_block_ids("b") == ([1, 2, 4], [0, 3, 5])
 
 
 def test_refusal_when_full_changes_nothing() -> None:

@@ -242,6 +242,7 @@ class KVCacheCore:
         watermark_blocks: int = 0,
         use_eagle: bool = False,
         num_prefill_lookahead: int = 0,
+        num_hash_lookahead_tokens: int = 0,
         retention_interval: int | None = None,
         needs_kv_cache_zeroing: bool = False,
         waiting_statuses: list[Any] = ...,
@@ -291,6 +292,7 @@ class KVCacheCore:
     ) -> int: ...
     def estimate_cached_tokens(self, request_id: str, /) -> int: ...
     def reset_prefix_cache(self) -> bool: ...
+    def new_step_starts(self) -> None: ...
     def take_new_block_ids(self) -> list[int]: ...
     def take_events(
         self,
@@ -302,7 +304,8 @@ class KVCacheCore:
 class KVCacheGroup:
     """One KV-cache group for ``KVCacheCore``: ``kind`` is ``"full"``, ``"sliding_window"``
     (with ``sliding_window``), ``"chunked_local"`` (with ``attention_chunk_size``) or
-    ``"mamba"`` (optionally with ``num_speculative_blocks``; prefix caching off)."""
+    ``"mamba"`` (optionally with ``num_speculative_blocks``, and with prefix caching
+    ``prefill_checkpoint_alignment`` where the layer exports prefill checkpoints)."""
 
     def __new__(
         cls,
@@ -315,6 +318,7 @@ class KVCacheGroup:
         num_speculative_blocks: int = 0,
         max_admission_blocks: int | None = None,
         is_eagle_group: bool = False,
+        prefill_checkpoint_alignment: int | None = None,
     ) -> KVCacheGroup: ...
     @property
     def kind(self) -> str: ...

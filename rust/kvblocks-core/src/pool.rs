@@ -242,6 +242,13 @@ impl BlockPool {
         self.emit(KvEvent::BlockRemoved(key));
     }
 
+    /// Takes `block`'s cache entry away while the block stays in use (vLLM's
+    /// `_maybe_evict_cached_block` on a held block: a Mamba checkpoint no hit may use, or a
+    /// state re-keyed to another position). `BlockRemoved` if it had one.
+    pub fn uncache(&mut self, block: u32) {
+        self.evict(block);
+    }
+
     /// Pops `n` blocks from the head of the free queue (the caller has checked that `n` are
     /// free), evicting their cache entries; each gets reference count 1.
     pub fn get_new_blocks(&mut self, n: usize) -> Vec<u32> {

@@ -1,11 +1,12 @@
 //! Property-based tests of the allocation engine through the vLLM manager's API, without
-//! vLLM: random layouts (full attention, sliding windows, chunked local; EAGLE, retention,
-//! prefix caching on and off) and random scheduler-like call sequences. Nothing may panic,
+//! vLLM: random layouts (full attention, sliding windows, chunked local, Mamba; EAGLE,
+//! retention, prefix caching on and off) and random scheduler-like call sequences. Nothing may panic,
 //! every refusal is a typed error that changes nothing, and after every call the pool's
 //! invariants hold: each block's reference count is the number of tables holding it, the
 //! free queue holds exactly the unreferenced blocks, the null block is never handed out,
 //! every cache entry points at blocks registered under it, and a group's null blocks form a
-//! prefix of its table. (tests/vllm_tier compares the engine's decisions with vLLM's own.)
+//! prefix of its table (a Mamba group's with prefix caching is indexed by position). (tests/vllm_tier
+//! compares the engine's decisions with vLLM's own.)
 //!
 //! A long run: `PROPTEST_CASES=5000 cargo test --release -p kvblocks-core --test engine`.
 
@@ -55,6 +56,8 @@ enum Op {
         deferred: bool,
     },
     Reset,
+    /// A scheduler step begins (Mamba states cached before it may be adopted again).
+    NewStep,
     /// Arguments the engine must refuse: hits of another request, a block out of range.
     Bad {
         id: u8,
@@ -86,6 +89,7 @@ fn op() -> impl Strategy<Value = Op> {
         (id.clone(), 1usize..12).prop_map(|(id, n)| Op::Append { id, n }),
         (id.clone(), any::<bool>()).prop_map(|(id, deferred)| Op::Free { id, deferred }),
         Just(Op::Reset),
+        Just(Op::NewStep),
         (id, 0u8..3).prop_map(|(id, kind)| Op::Bad { id, kind }),
     ]
 }
@@ -98,7 +102,12 @@ fn group() -> impl Strategy<Value = GroupSpec> {
             extra_retained
         }),
         (1usize..6).prop_map(|blocks| AttentionKind::ChunkedLocal { chunk: blocks * BLOCK }),
-        (0usize..3).prop_map(|speculative_blocks| AttentionKind::Mamba { speculative_blocks }),
+        (0usize..3, prop_oneof![Just(None), Just(Some(1)), Just(Some(BLOCK))]).prop_map(
+            |(speculative_blocks, checkpoint_alignment)| AttentionKind::Mamba {
+                speculative_blocks,
+                checkpoint_alignment
+            }
+        ),
     ];
     (kind, prop::option::of(2usize..12), any::<bool>()).prop_map(|(kind, cap, is_eagle_group)| {
         GroupSpec {
@@ -124,12 +133,21 @@ fn config() -> impl Strategy<Value = EngineConfig> {
         prop_oneof![Just(None), Just(Some(0)), Just(Some(8))],
         0usize..4,
         any::<bool>(),
+        0usize..2,
     )
         .prop_map(
-            |(groups, num_blocks, caching, eagle, prefill, retention, watermark, zeroing)| {
-                // vLLM caches Mamba states only in its "align" mode, which the engine refuses.
+            |(
+                groups,
+                num_blocks,
+                caching,
+                eagle,
+                prefill,
+                retention,
+                watermark,
+                zeroing,
+                lookahead,
+            )| {
                 let mamba = groups.iter().any(|g| matches!(g.kind, AttentionKind::Mamba { .. }));
-                let caching = caching && !mamba;
                 // One lookup set per group, full attention first (vLLM's order for distinct specs).
                 let mut order: Vec<usize> = (0..groups.len()).collect();
                 order.sort_by_key(|&g| !groups[g].kind.is_full());
@@ -146,6 +164,7 @@ fn config() -> impl Strategy<Value = EngineConfig> {
                     watermark_blocks: watermark,
                     use_eagle: eagle && !chunked,
                     num_prefill_lookahead: prefill,
+                    num_hash_lookahead_tokens: lookahead,
                     retention_interval: retention,
                     needs_kv_cache_zeroing: zeroing || mamba,
                 }
@@ -210,16 +229,20 @@ fn snapshot(m: &KvCacheManager, ids: &[u8]) -> (Vec<u32>, Vec<u32>, Vec<Vec<Vec<
 fn check_invariants(m: &KvCacheManager, ids: &[u8]) {
     let pool = m.pool();
     let mut held: HashMap<u32, u32> = HashMap::new();
+    let config = m.config();
     for &id in ids {
         let Some(tables) = m.block_ids(&name(id)) else { continue };
-        for g in &tables.groups {
+        for (g, spec) in tables.groups.iter().zip(&config.groups) {
             let nulls = g.blocks.iter().take_while(|&&b| b == 0).count();
+            // A Mamba group's table is indexed by position with prefix caching: states sit
+            // between null columns.
+            let positional = config.enable_caching && spec.kind.is_mamba();
             assert!(
-                g.blocks[nulls..].iter().all(|&b| b != 0),
+                positional || g.blocks[nulls..].iter().all(|&b| b != 0),
                 "interior null block: {:?}",
                 g.blocks
             );
-            for &b in &g.blocks[nulls..] {
+            for &b in g.blocks[nulls..].iter().filter(|&&b| b != 0) {
                 *held.entry(b).or_default() += 1;
             }
         }
@@ -309,6 +332,7 @@ fn apply(m: &mut KvCacheManager, requests: &mut HashMap<u8, Request>, op: &Op) {
                 r.admitted = false;
             }
         }
+        Op::NewStep => m.new_step_starts(),
         Op::Reset => {
             // Idle: no request holds a real block (a table of null blocks only holds none:
             // external tokens a chunk or window already skipped get none).

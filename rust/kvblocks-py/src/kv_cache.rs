@@ -31,7 +31,7 @@ impl PyKvCacheGroup {
     #[pyo3(signature = (
         kind, block_size, *, sliding_window = None, extra_retained_tokens = 0,
         attention_chunk_size = None, num_speculative_blocks = 0, max_admission_blocks = None,
-        is_eagle_group = false
+        is_eagle_group = false, prefill_checkpoint_alignment = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -43,24 +43,28 @@ impl PyKvCacheGroup {
         num_speculative_blocks: usize,
         max_admission_blocks: Option<usize>,
         is_eagle_group: bool,
+        prefill_checkpoint_alignment: Option<usize>,
     ) -> PyResult<Self> {
         let speculative = num_speculative_blocks;
-        let kind = match (kind, sliding_window, attention_chunk_size, speculative) {
-            ("full", None, None, 0) => AttentionKind::Full,
-            ("sliding_window", Some(window), None, 0) => {
+        let checkpoint = prefill_checkpoint_alignment;
+        let kind = match (kind, sliding_window, attention_chunk_size, speculative, checkpoint) {
+            ("full", None, None, 0, None) => AttentionKind::Full,
+            ("sliding_window", Some(window), None, 0, None) => {
                 AttentionKind::SlidingWindow { window, extra_retained: extra_retained_tokens }
             }
-            ("chunked_local", None, Some(chunk), 0) => AttentionKind::ChunkedLocal { chunk },
-            ("mamba", None, None, speculative_blocks) => {
-                AttentionKind::Mamba { speculative_blocks }
+            ("chunked_local", None, Some(chunk), 0, None) => AttentionKind::ChunkedLocal { chunk },
+            ("mamba", None, None, speculative_blocks, checkpoint_alignment) => {
+                AttentionKind::Mamba { speculative_blocks, checkpoint_alignment }
             }
             _ => {
                 return Err(PyValueError::new_err(format!(
                     "kind {kind:?} with sliding_window={sliding_window:?}, \
-                     attention_chunk_size={attention_chunk_size:?} and \
-                     num_speculative_blocks={speculative}: expected \"full\" (none of them), \
-                     \"sliding_window\" (sliding_window), \"chunked_local\" \
-                     (attention_chunk_size) or \"mamba\" (num_speculative_blocks, optional)"
+                     attention_chunk_size={attention_chunk_size:?}, \
+                     num_speculative_blocks={speculative} and \
+                     prefill_checkpoint_alignment={checkpoint:?}: expected \"full\" (none of \
+                     them), \"sliding_window\" (sliding_window), \"chunked_local\" \
+                     (attention_chunk_size) or \"mamba\" (num_speculative_blocks and \
+                     prefill_checkpoint_alignment, optional)"
                 )))
             }
         };
@@ -245,8 +249,8 @@ pub struct PyKvCacheCore {
     /// request's in-flight tokens.
     windowed: bool,
     /// Sparse retention of sliding-window blocks (prefix caching, a retention interval, a
-    /// window group): only then does the engine read the request's prompt length and
-    /// shared-prefix boundary.
+    /// window group) or Mamba groups with prefix caching: only then does the engine read the
+    /// request's prompt length and shared-prefix boundary.
     boundaries: bool,
     /// A watermark is set: only then does the engine read the request's status.
     watermark: bool,
@@ -342,8 +346,8 @@ impl PyKvCacheCore {
     #[pyo3(signature = (
         num_blocks, groups, *, lookup_sets, max_model_len, enable_caching = true,
         enable_events = false, watermark_blocks = 0, use_eagle = false,
-        num_prefill_lookahead = 0, retention_interval = None, needs_kv_cache_zeroing = false,
-        waiting_statuses = Vec::new()
+        num_prefill_lookahead = 0, num_hash_lookahead_tokens = 0, retention_interval = None,
+        needs_kv_cache_zeroing = false, waiting_statuses = Vec::new()
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -357,6 +361,7 @@ impl PyKvCacheCore {
         watermark_blocks: usize,
         use_eagle: bool,
         num_prefill_lookahead: usize,
+        num_hash_lookahead_tokens: usize,
         retention_interval: Option<usize>,
         needs_kv_cache_zeroing: bool,
         waiting_statuses: Vec<Py<PyAny>>,
@@ -372,12 +377,15 @@ impl PyKvCacheCore {
             watermark_blocks,
             use_eagle,
             num_prefill_lookahead,
+            num_hash_lookahead_tokens,
             retention_interval,
             needs_kv_cache_zeroing,
         };
         let windowed = config.is_windowed();
         let sliding = config.groups.iter().any(|g| g.kind.window_hit_blocks(1, false).is_some());
-        let boundaries = config.enable_caching && config.retention_interval.is_some() && sliding;
+        let mamba = config.groups.iter().any(|g| g.kind.is_mamba());
+        let boundaries =
+            config.enable_caching && (mamba || config.retention_interval.is_some() && sliding);
         let watermark = config.watermark_blocks > 0;
         Ok(Self {
             inner: Mutex::new(KvCacheManager::new(config)?),
@@ -527,7 +535,7 @@ impl PyKvCacheCore {
         num_tokens: usize,
         total_computed_tokens: usize,
         apply_admission_cap: bool,
-    ) -> PyResult<usize> {
+    ) -> PyResult<i64> {
         Ok(self.lock()?.num_blocks_to_allocate(
             request_id,
             num_tokens,
@@ -620,6 +628,13 @@ impl PyKvCacheCore {
 
     fn reset_prefix_cache(&self) -> PyResult<bool> {
         Ok(self.lock()?.reset_prefix_cache())
+    }
+
+    /// vLLM's `new_step_starts`, at the start of every scheduler step: Mamba states cached
+    /// before it may be adopted as prefix hits again.
+    fn new_step_starts(&self) -> PyResult<()> {
+        self.lock()?.new_step_starts();
+        Ok(())
     }
 
     /// vLLM's `take_new_block_ids`: the attention groups' blocks allocated since the last

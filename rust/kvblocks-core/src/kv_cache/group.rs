@@ -13,6 +13,8 @@ pub struct GroupBlocks {
     /// vLLM's `num_cached_block[request_id]`: present once the request adopted prefix hits
     /// or registered a block; how many leading blocks are registered in the cache.
     pub num_cached: Option<usize>,
+    /// A Mamba group's prefix-caching bookkeeping (unused otherwise).
+    pub mamba: super::mamba::MambaState,
 }
 
 /// One request's blocks in every group.

@@ -104,10 +104,19 @@ fn find_for_kind(
                 push(&mut blocks, found);
             }
         }
-        // No hit: the engine takes Mamba groups only with prefix caching off.
-        AttentionKind::Mamba { .. } => {}
+        AttentionKind::Mamba { .. } => {
+            // A state is complete in itself: the latest cached one is the hit, every column
+            // before it null. (vLLM's Mamba search ignores the EAGLE drop.)
+            for (i, hash) in searched.iter().enumerate().rev() {
+                if let Some(found) = cached(pool, hash, groups) {
+                    blocks.iter_mut().for_each(|b| b.resize(i, NULL_BLOCK));
+                    push(&mut blocks, found);
+                    break;
+                }
+            }
+        }
     }
-    if drop_eagle {
+    if drop_eagle && !kind.is_mamba() {
         blocks.iter_mut().for_each(|b| {
             b.pop();
         });
@@ -208,7 +217,7 @@ fn hybrid_hit(
                 continue;
             }
             let drop_eagle = set.drop_eagle && !eagle_verified.get(index).copied().unwrap_or(true);
-            let limit = if drop_eagle {
+            let limit = if drop_eagle && !set.kind.is_mamba() {
                 current.saturating_add(block_size).min(search.hashes.len() * block_size)
             } else {
                 current

@@ -150,7 +150,7 @@ impl KvCacheManager {
         num_tokens: usize,
         total_computed: usize,
         cap: bool,
-    ) -> usize {
+    ) -> i64 {
         let empty;
         let held = match self.requests.get(request_id) {
             Some(held) => held,
@@ -185,6 +185,11 @@ impl KvCacheManager {
         let done = self.engine.reset_prefix_cache();
         self.drain_events("");
         done
+    }
+
+    /// vLLM's `new_step_starts` (see [`KvCacheEngine::new_step_starts`]).
+    pub fn new_step_starts(&mut self) {
+        self.engine.new_step_starts();
     }
 
     /// vLLM's `take_new_block_ids` (see [`KvCacheEngine::take_new_block_ids`]).

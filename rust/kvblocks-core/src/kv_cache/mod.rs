@@ -1,6 +1,6 @@
 //! The allocation engine: vLLM 0.33's `KVCacheManager`, its coordinators (unitary, hybrid,
 //! no prefix cache) and single-type managers (full attention, sliding window, chunked local
-//! attention) over one [`BlockPool`], written once.
+//! attention, Mamba with and without prefix caching) over one [`BlockPool`], written once.
 //!
 //! The engine owns the pool and the rules; each request's block tables ([`RequestBlocks`])
 //! belong to the caller, which also owns the request's tokens and hashes: the vLLM manager
@@ -11,6 +11,7 @@
 
 mod group;
 mod hit;
+mod mamba;
 mod manager;
 mod spec;
 #[cfg(test)]
@@ -18,6 +19,7 @@ mod tests;
 
 pub use group::{GroupBlocks, RequestBlocks};
 pub use hit::CacheHit;
+pub use mamba::MambaState;
 pub use manager::{KvCacheManager, ManagerEvent};
 pub use spec::{AttentionKind, EngineConfig, GroupSpec};
 
@@ -133,6 +135,22 @@ pub struct KvCacheEngine {
     /// [`KvCacheEngine::take_new_block_ids`] (vLLM's `new_block_ids` of each single-type
     /// manager); stays empty unless the config needs KV-cache zeroing.
     new_block_ids: Vec<Vec<u32>>,
+    /// Per group, a Mamba group's prefix-caching parameters (`None` for other groups, and
+    /// for every group without prefix caching).
+    align: Vec<Option<mamba::Align>>,
+    /// Whether any group is such a Mamba group.
+    any_align: bool,
+    /// The keys Mamba groups registered since the scheduler step began (see
+    /// [`Self::new_step_starts`]).
+    cached_this_step: mamba::StepKeys,
+}
+
+/// What vLLM's coordinator `get_num_blocks_to_allocate` answers for one request: the blocks
+/// it needs (`None`: a Mamba hit cached this step, the request must wait), and per Mamba
+/// group the checkpoint the chunk writes (`None` entries: leave it as it is).
+struct Needed {
+    blocks: Option<i64>,
+    checkpoints: Vec<Option<Option<(usize, usize)>>>,
 }
 
 impl KvCacheEngine {
@@ -155,6 +173,8 @@ impl KvCacheEngine {
         let windowed = config.is_windowed();
         let registered = Vec::new();
         let new_block_ids = vec![Vec::new(); config.groups.len()];
+        let align: Vec<_> = config.groups.iter().map(|g| mamba::Align::of(g, &config)).collect();
+        let any_align = align.iter().any(Option::is_some);
         Ok(Self {
             config,
             pool,
@@ -165,6 +185,9 @@ impl KvCacheEngine {
             registered,
             new_from,
             new_block_ids,
+            align,
+            any_align,
+            cached_this_step: mamba::StepKeys::default(),
         })
     }
 
@@ -253,33 +276,63 @@ impl KvCacheEngine {
         Ok(())
     }
 
-    /// vLLM's coordinator `get_num_blocks_to_allocate`, summed over the groups.
+    /// vLLM's coordinator `get_num_blocks_to_allocate`, summed over the groups: `num_tokens`
+    /// slots, of which `main` are the model's own (draft tokens in, lookahead slots out: what
+    /// a Mamba group counts), `total_computed` computed once the hits are adopted;
+    /// `prefill_end` is where vLLM's Mamba groups place the prompt's checkpoint (0 unless the
+    /// retention interval is 0).
+    #[allow(clippy::too_many_arguments)]
     fn blocks_needed(
         &self,
         held: &RequestBlocks,
         num_tokens: usize,
+        main: usize,
         hits: &[&[u32]],
         total_computed: usize,
+        prefill_end: usize,
         cap: bool,
-    ) -> usize {
-        self.config
-            .groups
-            .iter()
-            .zip(&held.groups)
-            .enumerate()
-            .map(|(g, (spec, blocks))| {
-                let hits = hits.get(g).copied().unwrap_or_default();
-                group::num_blocks_to_allocate(
-                    spec,
+    ) -> Needed {
+        let mut needed = Needed { blocks: Some(0), checkpoints: Vec::new() };
+        let groups = self.config.groups.iter().zip(&held.groups).zip(&self.align);
+        for (g, ((spec, blocks), align)) in groups.enumerate() {
+            let hits = hits.get(g).copied().unwrap_or_default();
+            let count = match align {
+                None => {
+                    needed.checkpoints.push(None);
+                    group::num_blocks_to_allocate(
+                        spec,
+                        &self.pool,
+                        blocks,
+                        num_tokens,
+                        hits,
+                        total_computed,
+                        cap,
+                    ) as i64
+                }
+                Some(align) => match mamba::num_blocks_to_allocate(
+                    align,
                     &self.pool,
                     blocks,
-                    num_tokens,
                     hits,
                     total_computed,
-                    cap,
-                )
-            })
-            .sum()
+                    main,
+                    prefill_end,
+                    &self.cached_this_step,
+                ) {
+                    mamba::Demand::Defer => {
+                        needed.checkpoints.push(None);
+                        needed.blocks = None;
+                        continue;
+                    }
+                    mamba::Demand::Blocks { blocks, checkpoint } => {
+                        needed.checkpoints.push(Some(checkpoint));
+                        blocks
+                    }
+                },
+            };
+            needed.blocks = needed.blocks.map(|b| b + count);
+        }
+        needed
     }
 
     /// vLLM's `remove_skipped_blocks` for every group: frees what no later token reads once
@@ -288,8 +341,14 @@ impl KvCacheEngine {
         if !self.windowed {
             return;
         }
-        for (spec, blocks) in self.config.groups.iter().zip(&mut held.groups) {
-            group::remove_skipped_blocks(spec, &mut self.pool, blocks, num_processed);
+        let groups = self.config.groups.iter().zip(&mut held.groups).zip(&self.align);
+        for ((spec, blocks), align) in groups {
+            match align {
+                None => group::remove_skipped_blocks(spec, &mut self.pool, blocks, num_processed),
+                Some(align) => {
+                    mamba::remove_skipped_blocks(align, &mut self.pool, blocks, num_processed)
+                }
+            }
         }
     }
 
@@ -334,11 +393,19 @@ impl KvCacheEngine {
         } else {
             0
         };
+        // vLLM's coordinator drops the prompt's end unless the retention interval is 0.
+        let prefill_end = if self.any_align && self.config.retention_interval == Some(0) {
+            request.num_prompt_tokens.max(request.num_tokens.saturating_sub(1))
+        } else {
+            0
+        };
+        let free = self.pool.num_free_blocks() as i64;
         if args.full_sequence_must_fit {
             let whole = request.num_tokens.min(max_len);
-            let needed = self.blocks_needed(held, whole, hits, total, true);
-            if needed.saturating_add(watermark) > self.pool.num_free_blocks() {
-                return Ok(false);
+            let needed = self.blocks_needed(held, whole, whole, hits, total, prefill_end, true);
+            match needed.blocks {
+                Some(n) if n + watermark as i64 <= free => {}
+                _ => return Ok(false),
             }
         }
         let main = total.saturating_add(args.num_new_tokens);
@@ -357,12 +424,18 @@ impl KvCacheEngine {
         self.remove_skipped_blocks(held, processed);
         // vLLM counts this chunk's blocks from the computed tokens before the max_model_len cap
         // (the full-sequence gate above uses the capped count).
-        let needed = self
-            .blocks_needed(held, slots, hits, computed, false)
-            .saturating_add(args.extra_blocks);
-        // vLLM's `needed + watermark > free - reserved`, where the right side may be negative.
-        let wanted = needed.saturating_add(watermark).saturating_add(args.reserved_blocks);
-        if wanted > self.pool.num_free_blocks() {
+        let needed = self.blocks_needed(held, slots, main, hits, computed, prefill_end, false);
+        // A Mamba group notes the chunk's checkpoint even if the allocation then fails.
+        for (blocks, checkpoint) in held.groups.iter_mut().zip(needed.checkpoints) {
+            if let Some(checkpoint) = checkpoint {
+                blocks.mamba.checkpoint = checkpoint;
+            }
+        }
+        let Some(needed) = needed.blocks else { return Ok(false) };
+        // vLLM's `needed + watermark > free - reserved` (the count may be negative).
+        let extra =
+            args.extra_blocks.saturating_add(watermark).saturating_add(args.reserved_blocks);
+        if needed.saturating_add(extra as i64) > self.pool.num_free_blocks() as i64 {
             return Ok(false);
         }
 
@@ -380,16 +453,21 @@ impl KvCacheEngine {
         }
         before_new_blocks(&mut self.pool, held);
         let groups = self.config.groups.iter().zip(&mut held.groups).zip(&mut self.new_from);
-        for ((spec, blocks), from) in groups {
+        for (((spec, blocks), from), align) in groups.zip(&self.align) {
             *from = blocks.blocks.len();
-            group::allocate_new_blocks(spec, &mut self.pool, blocks, slots);
+            match align {
+                None => group::allocate_new_blocks(spec, &mut self.pool, blocks, slots),
+                // Mamba states take no lookahead slots (draft models have no Mamba layers).
+                Some(align) => mamba::allocate_new_blocks(align, &mut self.pool, blocks, main),
+            }
         }
         if self.config.needs_kv_cache_zeroing {
             self.record_new_blocks(held);
         }
-        // Most decode steps fill no block: nothing to register.
-        if !args.delay_cache_blocks && keys.end > keys.first {
-            self.cache_with_keys(held, request, cache_upto, &keys);
+        // Most decode steps fill no block: nothing to register (a Mamba group may still key
+        // a checkpoint).
+        if !args.delay_cache_blocks && (keys.end > keys.first || self.any_align) {
+            self.cache_with_keys(held, request, cache_upto, &keys, hashes);
         }
         Ok(true)
     }
@@ -474,8 +552,8 @@ impl KvCacheEngine {
     ) -> CoreResult<()> {
         self.registered.clear();
         let keys = self.read_keys(held, hashes, num_computed)?;
-        if keys.end > keys.first {
-            self.cache_with_keys(held, request, num_computed, &keys);
+        if keys.end > keys.first || self.any_align {
+            self.cache_with_keys(held, request, num_computed, &keys, hashes);
         }
         Ok(())
     }
@@ -501,31 +579,26 @@ impl KvCacheEngine {
         Ok(Keys { first, end, hashes })
     }
 
-    /// `cache_blocks` once the hashes are read (`keys` holds every hash it may need). A
-    /// request holding fewer blocks than its full ones (its tokens outgrew `max_model_len`)
-    /// registers the blocks it has.
+    /// `cache_blocks` once the hashes are read (`keys` holds every hash it may need; a Mamba
+    /// group's checkpoint or prompt tail may read one more from `hashes`). A request holding
+    /// fewer blocks than its full ones (its tokens outgrew `max_model_len`) registers the
+    /// blocks it has.
     fn cache_with_keys(
         &mut self,
         held: &mut RequestBlocks,
         request: &RequestState,
         num_computed: usize,
         keys: &Keys,
+        hashes: &(impl HashSource + ?Sized),
     ) {
         let b = self.config.block_size();
-        let groups = self.config.groups.iter().zip(&self.eagle_aware);
-        for (g, ((spec, &eagle), blocks)) in groups.zip(&mut held.groups).enumerate() {
+        let groups = self.config.groups.iter().zip(&self.eagle_aware).zip(&self.align);
+        for (g, (((spec, &eagle), align), blocks)) in groups.zip(&mut held.groups).enumerate() {
             let num_tokens = self.cacheable_tokens(num_computed, eagle);
             let done = blocks.num_cached.unwrap_or(0);
             let full = (num_tokens.min(keys.end * b) / b).min(blocks.blocks.len());
-            if done >= full {
-                continue;
-            }
-            let mask = group::cacheable_mask(
-                spec,
-                eagle,
-                done..full,
-                self.config.retention_interval,
-                || {
+            if done < full {
+                let boundaries = || {
                     let mut boundaries = self.replay_boundaries(request.num_prompt_tokens);
                     if request.shared_prefix_boundary > 0 {
                         boundaries.push(request.shared_prefix_boundary);
@@ -535,27 +608,60 @@ impl KvCacheEngine {
                         }
                     }
                     boundaries
-                },
-            );
-            let mut skipped = Vec::new();
-            for index in done..full {
-                let (Some(&block), Some(hash)) = (blocks.blocks.get(index), keys.get(index)) else {
-                    continue;
                 };
-                let masked = mask.as_ref().and_then(|m| m.get(index - done)) == Some(&false);
-                if block == NULL_BLOCK || masked {
-                    skipped.push(index);
-                    continue;
+                let mask = match align {
+                    Some(align) => align.reachable_mask(done..full, boundaries),
+                    None => group::cacheable_mask(
+                        spec,
+                        eagle,
+                        done..full,
+                        self.config.retention_interval,
+                        boundaries,
+                    ),
+                };
+                let mut skipped = Vec::new();
+                for index in done..full {
+                    let (Some(&block), Some(hash)) = (blocks.blocks.get(index), keys.get(index))
+                    else {
+                        continue;
+                    };
+                    let masked = mask.as_ref().and_then(|m| m.get(index - done)) == Some(&false);
+                    if block == NULL_BLOCK || masked {
+                        skipped.push(index);
+                        continue;
+                    }
+                    self.pool.cache_block(block, CacheKey::new(hash, g as u32), (index + 1) * b);
                 }
-                self.pool.cache_block(block, CacheKey::new(hash, g as u32), (index + 1) * b);
+                blocks.num_cached = Some(full);
+                let registered = Registered { group: g as u32, first: done, end: full, skipped };
+                if self.pool.events_enabled() {
+                    self.pool.push_event(KvEvent::Registered(registered.clone()));
+                }
+                self.registered.push(registered);
             }
-            blocks.num_cached = Some(full);
-            let registered = Registered { group: g as u32, first: done, end: full, skipped };
-            if self.pool.events_enabled() {
-                self.pool.push_event(KvEvent::Registered(registered.clone()));
+            let Some(align) = align else { continue };
+            let tail = mamba::Tail {
+                group: g as u32,
+                num_tokens,
+                num_prompt_tokens: request.num_prompt_tokens,
+                shared_prefix_boundary: request.shared_prefix_boundary,
+            };
+            let hash = |i: usize| keys.get(i).or_else(|| hashes.get(i).ok());
+            let tail_key = mamba::cache_tail(align, &mut self.pool, blocks, &tail, hash);
+            // No request may adopt a state registered during this step.
+            self.cached_this_step.extend(tail_key);
+            for &block in blocks.blocks.get(done..full).unwrap_or_default() {
+                if let Some(key) = self.pool.key(block) {
+                    self.cached_this_step.insert(*key);
+                }
             }
-            self.registered.push(registered);
         }
+    }
+
+    /// vLLM's `new_step_starts`, called as each scheduler step begins: Mamba states
+    /// registered before it may be adopted again.
+    pub fn new_step_starts(&mut self) {
+        self.cached_this_step.clear();
     }
 
     /// Where a later request replaying a prompt of `num_prompt_tokens` can resume (vLLM's
@@ -616,8 +722,11 @@ impl KvCacheEngine {
         num_tokens: usize,
         total_computed: usize,
         cap: bool,
-    ) -> usize {
-        self.blocks_needed(held, num_tokens, &[], total_computed, cap)
+    ) -> i64 {
+        // A Mamba group reads the main model's tokens as the slots (no lookahead slots on
+        // this path) and keeps its checkpoint as it is.
+        let needed = self.blocks_needed(held, num_tokens, num_tokens, &[], total_computed, 0, cap);
+        needed.blocks.unwrap_or(self.pool.num_blocks() as i64 + 1)
     }
 
     /// vLLM's `free`: every group releases the request's blocks, last block first.

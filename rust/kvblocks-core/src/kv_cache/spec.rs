@@ -17,11 +17,15 @@ pub enum AttentionKind {
     /// Tokens attend within chunks of `chunk` tokens: blocks of finished chunks are freed
     /// (vLLM's `ChunkedLocalAttentionManager`).
     ChunkedLocal { chunk: usize },
-    /// A state-space or linear-attention layer (vLLM's `MambaManager` with
-    /// `mamba_cache_mode="none"`, prefix caching off): a request keeps the block holding its
-    /// running state, plus `speculative_blocks` blocks for the states of draft tokens
-    /// (EAGLE/MTP); earlier blocks are freed.
-    Mamba { speculative_blocks: usize },
+    /// A state-space or linear-attention layer (vLLM's `MambaManager`): a request keeps the
+    /// block holding its running state, plus `speculative_blocks` blocks for the states of
+    /// draft tokens; earlier blocks are freed. Without prefix caching (vLLM's
+    /// `mamba_cache_mode="none"`) that is all. With it (vLLM's "align" mode) block `i` of the
+    /// table holds the state after `(i + 1) * block_size` tokens, states at block boundaries
+    /// are cached, and a prefill chunk may also write a checkpoint state inside it where the
+    /// layer can export one: `checkpoint_alignment` is vLLM's `prefill_checkpoint_alignment`
+    /// when the spec has prefill checkpoint blocks, `None` when it cannot checkpoint.
+    Mamba { speculative_blocks: usize, checkpoint_alignment: Option<usize> },
 }
 
 impl AttentionKind {
@@ -43,7 +47,7 @@ impl AttentionKind {
     /// states of draft tokens.
     pub fn extra_slots(self, block_size: usize) -> usize {
         match self {
-            Self::Mamba { speculative_blocks } => speculative_blocks.saturating_mul(block_size),
+            Self::Mamba { speculative_blocks, .. } => speculative_blocks.saturating_mul(block_size),
             _ => 0,
         }
     }
@@ -68,6 +72,10 @@ impl AttentionKind {
 
     pub fn is_full(self) -> bool {
         matches!(self, Self::Full)
+    }
+
+    pub fn is_mamba(self) -> bool {
+        matches!(self, Self::Mamba { .. })
     }
 }
 
@@ -117,6 +125,9 @@ pub struct EngineConfig {
     /// vLLM's `num_prefill_lookahead`: the last `n - 1` computed tokens may be prefilled
     /// again (multi-token prediction), so they are not cached yet.
     pub num_prefill_lookahead: usize,
+    /// vLLM's `num_hash_lookahead_tokens`: a block's hash also covers this many tokens after
+    /// it (EAGLE/MTP lookahead hashing), which moves a Mamba group's checkpoints.
+    pub num_hash_lookahead_tokens: usize,
     /// vLLM's `prefix_cache_retention_interval` (sliding-window groups): `None` registers
     /// every block a hit could use, `Some(0)` only those at replay boundaries and
     /// shared-prefix junctions, `Some(r)` also one window per `r` tokens.
@@ -140,6 +151,7 @@ impl EngineConfig {
             watermark_blocks: 0,
             use_eagle: false,
             num_prefill_lookahead: 0,
+            num_hash_lookahead_tokens: 0,
             retention_interval: None,
             needs_kv_cache_zeroing: false,
         }
@@ -209,14 +221,21 @@ impl EngineConfig {
                 AttentionKind::ChunkedLocal { chunk: 0 } => {
                     return invalid(format!("group {i}: an attention chunk must be >= 1 token"));
                 }
-                AttentionKind::Mamba { .. } if self.enable_caching => {
-                    // vLLM caches Mamba states only in its "align" mode.
+                AttentionKind::Mamba { checkpoint_alignment: Some(0), .. } => {
+                    return invalid(format!("group {i}: a checkpoint alignment must be >= 1"));
+                }
+                AttentionKind::Mamba { .. }
+                    if self.enable_caching && self.num_hash_lookahead_tokens > 1 =>
+                {
+                    // A state could then carry two keys at once (vLLM keeps secondary keys
+                    // on a block; the pool here keeps one).
                     return invalid(format!(
-                        "group {i}: Mamba groups are implemented without prefix caching only \
-                         (vLLM's mamba_cache_mode \"none\")"
+                        "group {i}: Mamba prefix caching is implemented with at most one \
+                         lookahead token per block hash, not {}",
+                        self.num_hash_lookahead_tokens
                     ));
                 }
-                AttentionKind::Mamba { speculative_blocks }
+                AttentionKind::Mamba { speculative_blocks, .. }
                     if speculative_blocks.checked_mul(group.block_size).is_none() =>
                 {
                     return invalid(format!(

@@ -27,7 +27,8 @@ fn window(block_size: usize, window: usize) -> GroupSpec {
 }
 
 fn mamba(block_size: usize, speculative_blocks: usize) -> GroupSpec {
-    GroupSpec { kind: AttentionKind::Mamba { speculative_blocks }, ..full(block_size) }
+    let kind = AttentionKind::Mamba { speculative_blocks, checkpoint_alignment: None };
+    GroupSpec { kind, ..full(block_size) }
 }
 
 fn chunked(block_size: usize, chunk: usize) -> GroupSpec {
@@ -445,15 +446,19 @@ fn mamba_keeps_the_running_state_and_its_draft_blocks_and_only_attention_is_zero
 }
 
 #[test]
-fn mamba_groups_refuse_prefix_caching_and_different_block_sizes_need_caching_off() {
+fn mamba_prefix_caching_refuses_multi_token_lookahead_and_block_sizes_must_agree() {
     let cached = EngineConfig {
         groups: vec![full(4), mamba(4, 0)],
         lookup_sets: vec![vec![0], vec![1]],
         ..EngineConfig::single_group(20, 4, 1 << 20)
     };
-    let err = KvCacheManager::new(cached.clone()).unwrap_err().to_string();
-    assert!(err.contains("without prefix caching"), "{err}");
-    assert!(KvCacheManager::new(EngineConfig { enable_caching: false, ..cached }).is_ok());
+    assert!(KvCacheManager::new(cached.clone()).is_ok());
+    let lookahead = EngineConfig { num_hash_lookahead_tokens: 2, ..cached.clone() };
+    let err = KvCacheManager::new(lookahead).unwrap_err().to_string();
+    assert!(err.contains("at most one lookahead token"), "{err}");
+    let mut zero = mamba(4, 0);
+    zero.kind = AttentionKind::Mamba { speculative_blocks: 0, checkpoint_alignment: Some(0) };
+    assert!(KvCacheManager::new(EngineConfig { groups: vec![full(4), zero], ..cached }).is_err());
     let sizes = EngineConfig {
         groups: vec![full(4), full(8)],
         lookup_sets: vec![vec![0, 1]],
@@ -462,6 +467,113 @@ fn mamba_groups_refuse_prefix_caching_and_different_block_sizes_need_caching_off
     let err = KvCacheManager::new(sizes.clone()).unwrap_err().to_string();
     assert!(err.contains("same block size"), "{err}");
     assert!(KvCacheManager::new(EngineConfig { enable_caching: false, ..sizes }).is_ok());
+}
+
+/// Full attention and one Mamba group of 16-token blocks, prefix caching on (vLLM's
+/// "align" mode), `speculative` draft-state blocks, 64 blocks, every state retained.
+fn align(speculative: usize) -> KvCacheManager {
+    KvCacheManager::new(EngineConfig {
+        groups: vec![full(16), mamba(16, speculative)],
+        lookup_sets: vec![vec![0], vec![1]],
+        enable_events: true,
+        ..EngineConfig::single_group(64, 16, 1 << 20)
+    })
+    .unwrap()
+}
+
+/// One `allocate_slots` of `new` tokens (`lookahead` slots) for a running request with
+/// `computed` of its `num_tokens` tokens computed, prompt of 100.
+fn step(
+    m: &mut KvCacheManager,
+    id: &str,
+    computed: usize,
+    new: usize,
+    lookahead: usize,
+    num_tokens: usize,
+    hashes: &[BlockHash],
+) -> Option<Vec<Vec<u32>>> {
+    let running = RequestState {
+        num_computed_tokens: computed,
+        num_prompt_tokens: 100,
+        is_waiting: computed == 0,
+        ..state(num_tokens)
+    };
+    let args = AllocateArgs {
+        num_new_tokens: new,
+        num_lookahead_tokens: lookahead,
+        ..AllocateArgs::default()
+    };
+    m.allocate_slots(id, &running, &args, &[], hashes).unwrap()
+}
+
+#[test]
+fn mamba_align_keeps_one_state_per_step_and_caches_block_boundaries() {
+    // vLLM 0.33 traced on the CPU (docs/semantics.md §6.12): a 100-token prompt in chunks of
+    // 96 and 4 (the scheduler's split stops at the prompt's last reusable state, 96).
+    let mut m = align(0);
+    let prompt = hashes(1..7); // 100 // 16 = 6 full blocks
+    step(&mut m, "r0", 0, 96, 0, 100, &prompt).unwrap();
+    assert_eq!(table(&m, "r0", 0), [1, 2, 3, 4, 5, 6]);
+    // Position-indexed: the state after 96 tokens in column 5, the columns before null.
+    assert_eq!(table(&m, "r0", 1), [0, 0, 0, 0, 0, 7]);
+    assert_eq!(m.pool().key_num_tokens(7), 96);
+    step(&mut m, "r0", 96, 4, 0, 100, &prompt).unwrap();
+    assert_eq!(table(&m, "r0", 1), [0, 0, 0, 0, 0, 7, 9]);
+    // The first decode step frees the state after 96 (it stays cached, at the queue's tail).
+    step(&mut m, "r0", 100, 1, 0, 101, &prompt).unwrap();
+    assert_eq!(table(&m, "r0", 1), [0, 0, 0, 0, 0, 0, 9]);
+    assert_eq!(free_queue(&m).last(), Some(&7));
+    // The same prompt hits the state after 96 (a Mamba hit is the latest cached state).
+    m.new_step_starts();
+    let hit = m.lookup(&prompt[..], 99).unwrap();
+    assert_eq!((hit.num_tokens, &hit.blocks[1]), (96, &vec![0, 0, 0, 0, 0, 7]));
+}
+
+#[test]
+fn mamba_align_moves_draft_state_blocks_left_behind_to_the_end() {
+    // vLLM 0.33 traced on the CPU: 2 draft-state blocks, a 100-token prompt in chunks of 32
+    // (full attention also takes 2 lookahead slots).
+    let mut m = align(2);
+    let prompt = hashes(1..7);
+    step(&mut m, "r0", 0, 32, 2, 100, &prompt).unwrap();
+    assert_eq!(table(&m, "r0", 1), [0, 4, 5, 6]);
+    step(&mut m, "r0", 32, 32, 2, 100, &prompt).unwrap();
+    // Column 2's draft block (5) is behind the new running state (column 3, block 6).
+    assert_eq!(table(&m, "r0", 1), [0, 4, 0, 6, 5, 9]);
+    assert_eq!(m.pool().key_num_tokens(6), 64);
+    step(&mut m, "r0", 64, 32, 2, 100, &prompt).unwrap();
+    assert_eq!(table(&m, "r0", 1), [0, 0, 0, 6, 0, 9, 5, 12]);
+    let new = step(&mut m, "r0", 96, 4, 2, 100, &prompt).unwrap();
+    assert_eq!(table(&m, "r0", 1), [0, 0, 0, 0, 0, 9, 5, 12, 13]);
+    assert_eq!(new, vec![vec![], vec![13]]);
+}
+
+#[test]
+fn mamba_align_defers_a_hit_cached_in_this_step_and_counts_can_go_negative() {
+    let mut m = align(0);
+    let prompt = hashes(1..7);
+    step(&mut m, "r0", 0, 96, 0, 100, &prompt).unwrap();
+    // r1 hits the state r0 cached during this step: it must wait for the next step.
+    let hit = m.lookup(&prompt[..], 99).unwrap();
+    assert_eq!(hit.num_tokens, 96);
+    let hits: Vec<&[u32]> = hit.blocks.iter().map(Vec::as_slice).collect();
+    let args =
+        AllocateArgs { num_new_tokens: 4, num_new_computed_tokens: 96, ..AllocateArgs::default() };
+    let free = m.num_free_blocks();
+    assert_eq!(m.allocate_slots("r1", &state(100), &args, &hits, &prompt[..]).unwrap(), None);
+    assert_eq!(m.num_free_blocks(), free);
+    m.new_step_starts();
+    assert!(m.allocate_slots("r1", &state(100), &args, &hits, &prompt[..]).unwrap().is_some());
+    assert_eq!(table(&m, "r1", 1)[..6], [0, 0, 0, 0, 0, 7]);
+
+    // vLLM's count is signed: a step that scheduled 16 drafts left 5 Mamba blocks; one with a
+    // single draft needs ceil(58 / 16) = 4 (traced: -1).
+    let mut m = align(0);
+    let prompt = hashes(1..4);
+    step(&mut m, "a", 0, 55, 0, 55, &prompt).unwrap();
+    step(&mut m, "a", 55, 17, 0, 56, &prompt).unwrap();
+    assert_eq!(table(&m, "a", 1).len(), 5);
+    assert_eq!(m.num_blocks_to_allocate("a", 58, 57, false), -1);
 }
 
 #[test]

@@ -161,6 +161,7 @@ impl BlockManager {
             watermark_blocks: (config.watermark * config.num_blocks as f64) as usize,
             use_eagle: false,
             num_prefill_lookahead: 0,
+            num_hash_lookahead_tokens: 0,
             retention_interval: None,
             needs_kv_cache_zeroing: false,
         })?;
