@@ -12,7 +12,9 @@ full-attention layer, or (layout ``gpt-oss``) a full-attention and a sliding-win
 which vLLM's planner puts in two KV-cache groups, or (layout ``qwen3.5``) a full-attention
 layer and three Mamba (linear-attention) layers of the same page size, four groups, run as
 vLLM runs such a model without prefix caching (Mamba blocks of ``max_model_len`` tokens, the
-attention blocks to zero in every scheduler output).
+attention blocks to zero in every scheduler output), or (layout ``qwen3.5-align``) with it
+(vLLM's "align" mode: Mamba blocks of the attention block size, prefill checkpoints as
+Qwen3.5's gated delta-net layers export them).
 
 With speculative decoding (``KVBLOCKS_TEST_SPECULATION``: ``ngram``, or ``eagle`` with a tiny
 offline draft config and vLLM's default lookahead block hashes) the fake executor does what
@@ -82,6 +84,7 @@ POOL = {
     "llama": NUM_BLOCKS,
     "gpt-oss": NUM_BLOCKS + 22,
     "qwen3.5": NUM_BLOCKS + 24,
+    "qwen3.5-align": NUM_BLOCKS + 24,
     "llama-offloading": NUM_BLOCKS,
 }
 #: ``--kv-offloading-size`` of the ``llama-offloading`` run, in GiB: about 60 blocks of the
@@ -168,6 +171,16 @@ class FakeExecutor(Executor):
                     shapes=((1024,),),
                     dtypes=(torch.float32,),
                     mamba_cache_mode="none",
+                )
+        elif layout == "qwen3.5-align":
+            for i in (1, 2, 3):  # as a gated delta-net layer's spec with prefix caching
+                specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                    block_size=BLOCK_SIZE,
+                    shapes=((1024,),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="align",
+                    num_prefill_checkpoint_blocks=1,
+                    prefill_checkpoint_alignment=BLOCK_SIZE,
                 )
         if self.speculative_config is not None and self.speculative_config.use_eagle():
             # The EAGLE head's attention layer, numbered after the target's (2) layers.
@@ -371,8 +384,9 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         ),
         cache_config=CacheConfig(
             block_size=BLOCK_SIZE,
-            # vLLM runs Mamba layers with prefix caching only in its "align" mode.
-            enable_prefix_caching=os.environ.get("KVBLOCKS_TEST_LAYOUT") != "qwen3.5",
+            enable_prefix_caching=layout != "qwen3.5",
+            # What vLLM's config sets for a model with Mamba layers and prefix caching.
+            mamba_cache_mode="align" if layout == "qwen3.5-align" else "none",
             num_gpu_blocks_override=POOL[layout],
             kv_offloading_size=KV_OFFLOADING_GIB if transfer is not None else None,
         ),
@@ -572,6 +586,7 @@ def engine_results(processes: dict[str, subprocess.Popen[str]], tmp_path: Path) 
         pytest.param("gpt-oss", "ngram", id="gpt-oss-ngram"),
         pytest.param("llama", "eagle", id="llama-eagle"),
         pytest.param("qwen3.5", "", id="qwen3.5"),
+        pytest.param("qwen3.5-align", "", id="qwen3.5-prefix-caching"),
         pytest.param("llama-offloading", "", id="llama-kv-offloading"),
     ],
 )
@@ -590,7 +605,7 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
     assert "fallback" not in on["status"]
     mamba = layout == "qwen3.5"
     offloading = layout == "llama-offloading"
-    num_groups = {"llama": 1, "gpt-oss": 2, "qwen3.5": 4, "llama-offloading": 1}[layout]
+    num_groups = {"gpt-oss": 2, "qwen3.5": 4, "qwen3.5-align": 4}.get(layout, 1)
     stock, ours = off["run"], on["run"]
     if mamba:  # no prefix caching: EngineCore builds no request block hasher
         assert off["hasher"] is on["hasher"] is None
@@ -608,7 +623,10 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
     else:
         assert off["hasher"] == "vllm.v1.core.kv_cache_utils"
         assert on["hasher"] == "kvblocks.vllm.block_hasher"
-        groups = "2 groups (full_attention, sliding_window), " if layout == "gpt-oss" else ""
+        groups = {
+            "gpt-oss": "2 groups (full_attention, sliding_window), ",
+            "qwen3.5-align": "4 groups (full_attention, mamba, mamba, mamba), ",
+        }.get(layout, "")
         connector = ", OffloadingConnector" if offloading else ""
         described = f"{groups}16-token blocks, prefix caching on{connector}"
         assert f"kv_cache_manager on {described}" in on["status"]
@@ -619,7 +637,8 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
         assert on["status"].endswith(hasher)
         assert stock["prefix_cache_totals"]["hits"] > 0
         assert all(stock["block_hashes"].values())
-        assert not any(step["new_block_ids_to_zero"] for step in stock["scheduler_outputs"])
+        zeroing = any(step["new_block_ids_to_zero"] for step in stock["scheduler_outputs"])
+        assert zeroing == (layout == "qwen3.5-align")
     assert off["group_metadata"] == on["group_metadata"]
     sizes = [m["block_size"] for m in on["group_metadata"]]
     assert sizes == (

@@ -155,6 +155,17 @@ CONFIG_CASES: dict[str, tuple[str, Callable[[Any], None]]] = {
     ),
     "scheduler_cls": ("scheduler_cls", setter("scheduler_config.scheduler_cls", "my.Scheduler")),
     "encoder_decoder": ("encoder_decoder", setter("model_config.is_encoder_decoder", True)),
+    # CPU offloading runs, and so does Mamba prefix caching, but not together.
+    "offloading with Mamba prefix caching": (
+        "mamba_prefix_caching",
+        lambda config: (
+            setter(
+                "kv_transfer_config",
+                SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path=None),
+            )(config),
+            setter("cache_config.mamba_cache_mode", "align")(config),
+        ),
+    ),
 }
 
 
@@ -233,6 +244,8 @@ SUPPORTED_LAYOUTS = {
     "MLA": lambda: kv_cache_config(mla()),
     "chunked local + full": lambda: kv_cache_config(chunked(), full()),
     "sliding window, retention interval 32": lambda: retained(32, sliding()),
+    "full + Mamba, prefix caching (align mode)": lambda: kv_cache_config(full(), mamba("align")),
+    "Mamba alone, prefix caching, retention 32": lambda: retained(32, mamba("align")),
 }
 #: Layouts that run on kvblocks with prefix caching off only (vLLM's Mamba cache mode "none":
 #: one block of max_model_len tokens per request and Mamba group), and the scheduler's block
@@ -364,11 +377,18 @@ LAYOUT_CASES: dict[
         None,
     ),
     "HiSparse host pool": ("kv_cache_group_role", _hisparse_host_pool, {}, None),
-    # vLLM caches Mamba states only in its "align" mode, which kvblocks does not implement.
-    "Mamba with prefix caching": (
+    # vLLM caches Mamba states only in its "align" mode (and "none" is its mode without).
+    "Mamba in none mode with prefix caching": (
+        "mamba_prefix_caching",
+        lambda: kv_cache_config(full(), mamba("none")),
+        {},
+        None,
+    ),
+    # Two or more lookahead tokens per hash: vLLM keeps two keys on one state block.
+    "Mamba prefix caching with multi-token lookahead hashing": (
         "mamba_prefix_caching",
         lambda: kv_cache_config(full(), mamba("align")),
-        {},
+        {"num_hash_lookahead_tokens": 2},
         None,
     ),
     "Mamba in align mode without caching": (

@@ -91,8 +91,9 @@ _TEXTS = {
     "(it implements n-gram, suffix, EAGLE, EAGLE-3 and MTP)",
     Reason.CONTEXT_PARALLEL: "decode or prefill context parallelism",
     Reason.METRICS_COLLECTOR: "the KV-cache metrics collector (--kv-cache-metrics)",
-    Reason.MAMBA_PREFIX_CACHING: "prefix caching with Mamba or linear-attention groups (vLLM's "
-    'mamba_cache_mode "align"; kvblocks runs these models with prefix caching off)',
+    Reason.MAMBA_PREFIX_CACHING: "prefix caching with Mamba or linear-attention groups together "
+    "with a KV connector or lookahead hashing of two or more tokens, or a mamba_cache_mode "
+    'other than vLLM\'s ("align" with prefix caching, "none" without)',
     Reason.HASH_ALGO: "a prefix-caching hash algorithm other than vLLM's four",
     Reason.SCHEDULER_CLS: "a custom scheduler class",
     Reason.ENCODER_DECODER: "an encoder-decoder model",

@@ -1,7 +1,7 @@
 """kvblocks' KV-cache manager for vLLM 0.33's scheduler: vLLM's ``KVCacheManager`` interface
 on kvblocks' Rust allocation engine, for every layout :mod:`kvblocks.vllm.support` allows
 (any number of full-attention, MLA, sliding-window and chunked-local groups, and Mamba groups
-without prefix caching; EAGLE/MTP and other speculative decoding; KV-cache zeroing).
+with or without prefix caching; EAGLE/MTP and other speculative decoding; KV-cache zeroing).
 
 The Rust side (``kvblocks._core.KVCacheCore``) owns what vLLM's block pool, coordinator and
 single-type managers own (reference counts, the free queue in eviction order, the
@@ -125,6 +125,12 @@ def _engine_group(group: Any, max_in_flight_tokens: int, max_model_len: int) -> 
         num_speculative_blocks=spec.num_speculative_blocks if kind == "mamba" else 0,
         max_admission_blocks=cap,
         is_eagle_group=group.is_eagle_group,
+        # vLLM's has_prefill_checkpoint_blocks (with an alignment, else never valid).
+        prefill_checkpoint_alignment=(
+            spec.prefill_checkpoint_alignment
+            if kind == "mamba" and spec.num_prefill_checkpoint_blocks > 0
+            else None
+        ),
     )
 
 
@@ -212,6 +218,7 @@ class KVCacheManager:
             watermark_blocks=self.watermark_blocks,
             use_eagle=use_eagle,
             num_prefill_lookahead=num_prefill_lookahead,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             # Retention only thins out what prefix caching registers.
             retention_interval=(
                 kv_cache_config.prefix_cache_retention_interval if enable_caching else None
@@ -219,8 +226,9 @@ class KVCacheManager:
             needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
             waiting_statuses=[RequestStatus.WAITING, RequestStatus.PREEMPTED],
         )
-        # Drained by the scheduler every step: straight to Rust.
+        # Called by the scheduler every step: straight to Rust.
         setattr(self, "take_new_block_ids", self._core.take_new_block_ids)  # noqa: B010
+        setattr(self, "new_step_starts", self._core.new_step_starts)  # noqa: B010
         self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
         self.coordinator = _Coordinator(specs, eagle_group_ids, self._core)
         self.block_pool = _BlockPool(self._core)
@@ -232,8 +240,10 @@ class KVCacheManager:
     # -- what the scheduler calls every step -------------------------------------------------
 
     def new_step_starts(self) -> None:
-        """The implemented kinds keep no per-step state (vLLM's Mamba manager forgets the
-        states cached this step, which only its prefix-caching mode has)."""
+        """vLLM's: Mamba states cached before this step may be adopted as hits again (a
+        request whose hit was cached during the step waits for the next one). ``__init__``
+        binds the instance's to Rust directly."""
+        self._core.new_step_starts()
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None

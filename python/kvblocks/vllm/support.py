@@ -9,9 +9,10 @@ option it does not know included, falls back to vLLM's own manager:
   Mamba and linear attention), prefix-cacheable, in the default role; with prefix caching
   all with the hash block size (the scheduler's block size), without it any size that
   divides the scheduler's;
-- Mamba groups only without prefix caching (vLLM's ``mamba_cache_mode="none"``; its "align"
-  mode, which caches Mamba states, is not implemented), and KV-cache zeroing (which Mamba
-  layers and mixed-precision caches need) as vLLM does it;
+- Mamba groups in vLLM's ``mamba_cache_mode="none"`` without prefix caching and in its
+  "align" mode with it (the Mamba block size then the hash block size, as vLLM sets it; not
+  with a KV connector, nor with lookahead hashing of two or more tokens), and KV-cache
+  zeroing (which Mamba layers and mixed-precision caches need) as vLLM does it;
 - vLLM's unitary, hybrid and no-prefix-cache coordinators (any number of such groups, prefix
   caching on or off);
 - speculative decoding by n-gram, suffix, EAGLE, EAGLE-3 or MTP (the EAGLE block drop,
@@ -123,7 +124,12 @@ def unsupported_manager_arguments(kwargs: dict[str, Any]) -> Reason | None:
         return Reason.KV_CACHE_GROUPS
     for group in groups:
         spec = group.kv_cache_spec
-        if spec_kind(spec, group.role) == "mamba" and (caching or spec.mamba_cache_mode != "none"):
+        if spec_kind(spec, group.role) == "mamba" and (
+            spec.mamba_cache_mode != ("align" if caching else "none")
+            or (caching and kwargs.get("num_hash_lookahead_tokens", 0) >= 2)
+        ):
+            # vLLM keeps a second key on a state block with two or more lookahead tokens
+            # (kvblocks' pool keeps one per block).
             return Reason.MAMBA_PREFIX_CACHING
     for group in groups:
         if group.host_resident or group.role != KVCacheGroupRole.DEFAULT:
@@ -189,6 +195,10 @@ def unsupported_config(
     transfer = vllm_config.kv_transfer_config
     if transfer is not None and not _is_offloading_connector(transfer):
         return Reason.KV_CONNECTOR
+    cache = vllm_config.cache_config
+    if transfer is not None and cache.enable_prefix_caching and cache.mamba_cache_mode == "align":
+        # Connectors read vLLM's align-mode boundary-state offers and partial tails.
+        return Reason.MAMBA_PREFIX_CACHING
     if vllm_config.ec_transfer_config is not None:
         return Reason.EC_CONNECTOR
     if vllm_config.aux_output_config.enabled:
@@ -201,7 +211,6 @@ def unsupported_config(
         return Reason.CONTEXT_PARALLEL
     if vllm_config.observability_config.kv_cache_metrics:
         return Reason.METRICS_COLLECTOR
-    cache = vllm_config.cache_config
     if cache.enable_prefix_caching and cache.prefix_caching_hash_algo not in ALGORITHMS:
         return Reason.HASH_ALGO
     if cache.prefix_match_unit not in (None, cache.block_size):

@@ -156,6 +156,10 @@ class SchedulerSpec:
     #: More ``kv_connector_extra_config`` for offloading (``eviction_policy``,
     #: ``offload_prompt_only``, ``blocks_per_chunk``, ``self_describing_kv_events``, ...).
     kv_offloading_config: dict[str, Any] = field(default_factory=dict)
+    #: Mamba groups' ``prefill_checkpoint_alignment`` where their layers export prefill
+    #: checkpoints (vLLM gives the spec one checkpoint block then): Qwen3.5's gated delta-net
+    #: uses the Mamba block size, Mamba2 layers 1. ``None``: no checkpoints (Mamba1).
+    mamba_checkpoint_alignment: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_offloading < 0:
@@ -280,6 +284,8 @@ def make_kv_cache_config(
                 dtypes=(torch.float32,),
                 mamba_cache_mode="align" if spec.enable_caching else "none",
                 num_speculative_blocks=num_speculative,
+                num_prefill_checkpoint_blocks=int(spec.mamba_checkpoint_alignment is not None),
+                prefill_checkpoint_alignment=spec.mamba_checkpoint_alignment,
             )
         else:
             raise ValueError(f"unknown KV-cache group kind {kind!r}")

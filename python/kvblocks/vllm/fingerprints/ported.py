@@ -137,10 +137,13 @@ PORTED: dict[str, tuple[Source, ...]] = {
         ),
         # The statistics kvblocks records.
         Source("vllm/v1/metrics/stats.py", objects=("BaseCacheStats", "PrefixCacheStats")),
-        # The configuration the guard reads (a new field there may be a rule it ignores).
+        # The configuration the guard reads (a new field there may be a rule it ignores), and
+        # the Mamba checkpoint rules the engine ports.
         Source(
             "vllm/v1/kv_cache_interface.py",
             objects=(
+                "get_mamba_prefill_checkpoint_position",
+                "is_mamba_prefill_checkpoint_valid",
                 "KVCacheSpec",
                 "AttentionSpec",
                 "FullAttentionSpec",
