@@ -5,7 +5,8 @@ the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
   tokens, as ``EngineCore`` calls it when it builds each ``Request``;
 - one decode step's ``allocate_slots`` calls for 256 running requests, without timers, on
   each KV-cache layout of the driver (``config.LAYOUTS``: llama, gpt-oss, gemma3, llama4,
-  mla, and the Mamba hybrids qwen3.5 and jamba, which run with prefix caching off);
+  mla, and the Mamba hybrids qwen3.5 and jamba; prefix caching on, vLLM's default, so the
+  Mamba groups run in vLLM's "align" mode, qwen3.5's with prefill checkpoints);
 - the shared-prefix workload (256 requests, 2,000-token prompts sharing 1,500 tokens, 32 and
   128 output tokens, block size 16, 8,192 blocks, one full-attention group), then the 32-token
   workload on each layout with 9,216 blocks per KV-cache group: scheduler-side CPU time
@@ -38,7 +39,7 @@ pytest.importorskip("vllm", reason='needs vllm (pip install ".[vllm]" in a kvblo
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench import describe_layout, pool_blocks, prefix_caching_for
+from kvblocks.vllm.bench import describe_layout, mamba_checkpoint_alignment_for, pool_blocks
 from kvblocks.vllm.bench_driver import (
     LAYOUTS,
     FakeModel,
@@ -179,7 +180,7 @@ def test_scheduler_cpu_time(
         num_blocks=pool_blocks(blocks_per_group, layout),
         layout=layout,
         hash_algo="sha256",
-        enable_caching=prefix_caching_for(layout),
+        mamba_checkpoint_alignment=mamba_checkpoint_alignment_for(layout, 16),
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         speculative=SPECULATION.get(method),
@@ -246,7 +247,7 @@ def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> N
         block_size=16,
         num_blocks=pool_blocks(BLOCKS_PER_GROUP, layout),
         layout=layout,
-        enable_caching=prefix_caching_for(layout),
+        mamba_checkpoint_alignment=mamba_checkpoint_alignment_for(layout, 16),
         max_num_seqs=256,
         max_num_batched_tokens=8192,
     )

@@ -139,7 +139,7 @@ def _clear_bar() -> None:
 #: The options only ``--engine kvblocks`` reads.
 _KVBLOCKS_ENGINE_ONLY = ("backend", "model", "device", "dtype", "threads", "warmup")
 #: The options only ``--engine vllm`` reads.
-_VLLM_ENGINE_ONLY = ("layout",)
+_VLLM_ENGINE_ONLY = ("layout", "no_enable_prefix_caching")
 #: ``--layout``'s choices: the KV-cache layouts of ``kvblocks.vllm.bench_driver.LAYOUTS``
 #: (named here so that the parser needs no vLLM; the vLLM tier checks that they agree).
 VLLM_LAYOUTS = ("llama", "gpt-oss", "gemma3", "llama4", "mla", "qwen3.5", "jamba")
@@ -318,8 +318,8 @@ def bench_vllm(args: argparse.Namespace) -> int:
                 Workload,
                 compare,
                 describe_layout,
+                mamba_checkpoint_alignment_for,
                 pool_blocks,
-                prefix_caching_for,
                 prepare,
             )
             from kvblocks.vllm.bench_driver import layout_groups
@@ -338,7 +338,8 @@ def bench_vllm(args: argparse.Namespace) -> int:
             num_blocks=pool_blocks(args.num_blocks, args.layout),
             layout=args.layout,
             hash_algo=args.hash_algo,
-            enable_caching=prefix_caching_for(args.layout),
+            enable_caching=not args.no_enable_prefix_caching,
+            mamba_checkpoint_alignment=mamba_checkpoint_alignment_for(args.layout, args.block_size),
             max_num_seqs=args.max_num_seqs or args.num_requests,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
@@ -534,7 +535,13 @@ def parser() -> argparse.ArgumentParser:
         help="KV-cache layout (vllm engine): llama (one full-attention group, the default), "
         "gpt-oss (full + 128-token sliding window), gemma3 (5 sliding-window 1024 : 1 full), "
         "llama4 (chunked local 8192 + full), mla (one MLA group), qwen3.5 (full + 3 Mamba/linear "
-        "attention), jamba (full + 7 Mamba); the Mamba layouts run with prefix caching off",
+        "attention), jamba (full + 7 Mamba)",
+    )
+    e.add_argument(
+        "--no-enable-prefix-caching",
+        action="store_true",
+        default=None,
+        help="vllm engine: prefix caching off (vLLM's flag; on by default, as in vLLM)",
     )
     e.add_argument(
         "--max-num-batched-tokens",

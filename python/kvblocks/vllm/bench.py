@@ -37,8 +37,8 @@ __all__ = [
     "Workload",
     "compare",
     "describe_layout",
+    "mamba_checkpoint_alignment_for",
     "pool_blocks",
-    "prefix_caching_for",
     "prepare",
 ]
 
@@ -71,10 +71,13 @@ def pool_blocks(blocks_per_group: int, layout: str | list[tuple[str, int]]) -> i
     return blocks_per_group * len(layout_groups(layout))
 
 
-def prefix_caching_for(layout: str | list[tuple[str, int]]) -> bool:
-    """Whether a comparison on ``layout`` runs with prefix caching (vLLM's default): not with
-    Mamba groups, whose prefix caching (vLLM's "align" mode) kvblocks does not implement."""
-    return all(kind != "mamba" for kind, _ in layout_groups(layout))
+def mamba_checkpoint_alignment_for(
+    layout: str | list[tuple[str, int]], block_size: int
+) -> int | None:
+    """The Mamba layers' prefill checkpoint alignment in the family a layout stands for
+    (``SchedulerSpec.mamba_checkpoint_alignment``): Qwen3.5's gated delta-net exports
+    checkpoints on the block grid; Jamba's Mamba1 layers export none."""
+    return block_size if layout == "qwen3.5" else None
 
 
 def prepare(spec: SchedulerSpec) -> None:
