@@ -245,16 +245,26 @@ def test_align_shared_prefixes(
     assert hits_of(stock) > 0
 
 
-@pytest.mark.parametrize("retention", [0, 8, None])
+@pytest.mark.parametrize("retention", [0, 16, None])
+@pytest.mark.parametrize(
+    ("drop", "draft_groups"),
+    [(False, None), (True, None), (True, [])],
+    ids=["lookahead-hashes", "block-drop", "block-drop-every-group"],
+)
 def test_align_eagle_checkpoints_are_keyed_by_their_position(
-    model_dir: Path, retention: int | None
+    model_dir: Path, retention: int | None, drop: bool, draft_groups: list[int] | None
 ) -> None:
-    """With the EAGLE block drop a prompt's checkpoint is one block before the last full one,
-    and the chunk writes it into the column after that state's own: the manager keys the block
-    by the checkpoint's position (replacing the key its column would give it), or drops a key
-    no hit may use. Prompts of every length modulo the block size, each sent three times, and
-    siblings branching off them."""
-    spec = align_spec("qwen3.5", retention=retention, speculative=Speculation("eagle", 3))
+    """EAGLE either hashes one lookahead token or (lookahead block hashes off) drops a hit's
+    last block: in the draft's group, or, where no group is flagged as the draft's, in every
+    group, the Mamba groups too. With the drop a prompt's checkpoint is one block before the
+    last full one, and the chunk writes it into the column after that state's own: the
+    manager keys the block by the checkpoint's position (replacing the key its column would
+    give it), or drops a key no hit may use. Prompts of every length modulo the block size,
+    each sent three times, and siblings branching off them."""
+    speculation = Speculation(
+        "eagle", 3, disable_lookahead_block_hashes=drop, draft_groups=draft_groups
+    )
+    spec = align_spec("qwen3.5", retention=retention, speculative=speculation)
     base = [list(range(100 + 97 * i, 100 + 97 * i + n)) for i, n in enumerate((37, 50, 61, 44))]
     requests = [
         RequestSpec(prompt, 4, step)
