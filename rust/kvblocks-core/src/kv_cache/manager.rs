@@ -145,18 +145,18 @@ impl KvCacheManager {
     /// vLLM's coordinator `get_num_blocks_to_allocate` for `request_id` without hits (a
     /// request not seen yet holds nothing).
     pub fn num_blocks_to_allocate(
-        &self,
+        &mut self,
         request_id: &str,
         num_tokens: usize,
         total_computed: usize,
         cap: bool,
     ) -> i64 {
-        let empty;
-        let held = match self.requests.get(request_id) {
+        let mut empty;
+        let held = match self.requests.get_mut(request_id) {
             Some(held) => held,
             None => {
                 empty = RequestBlocks::new(self.engine.num_groups());
-                &empty
+                &mut empty
             }
         };
         self.engine.num_blocks_to_allocate(held, num_tokens, total_computed, cap)

@@ -145,14 +145,6 @@ pub struct KvCacheEngine {
     cached_this_step: mamba::StepKeys,
 }
 
-/// What vLLM's coordinator `get_num_blocks_to_allocate` answers for one request: the blocks
-/// it needs (`None`: a Mamba hit cached this step, the request must wait), and per Mamba
-/// group the checkpoint the chunk writes (`None` entries: leave it as it is).
-struct Needed {
-    blocks: Option<i64>,
-    checkpoints: Vec<Option<Option<(usize, usize)>>>,
-}
-
 impl KvCacheEngine {
     pub fn new(config: EngineConfig) -> CoreResult<Self> {
         config.validate()?;
@@ -280,57 +272,57 @@ impl KvCacheEngine {
     /// slots, of which `main` are the model's own (draft tokens in, lookahead slots out: what
     /// a Mamba group counts), `total_computed` computed once the hits are adopted;
     /// `prefill_end` is where vLLM's Mamba groups place the prompt's checkpoint (0 unless the
-    /// retention interval is 0).
+    /// retention interval is 0). `None` when a Mamba hit was cached during this step (the
+    /// request must wait). The count may be negative. Without `cap` (the admission gate),
+    /// each Mamba group notes the checkpoint the chunk writes, as vLLM's does, whatever the
+    /// outcome.
     #[allow(clippy::too_many_arguments)]
     fn blocks_needed(
         &self,
-        held: &RequestBlocks,
+        held: &mut RequestBlocks,
         num_tokens: usize,
         main: usize,
         hits: &[&[u32]],
         total_computed: usize,
         prefill_end: usize,
         cap: bool,
-    ) -> Needed {
-        let mut needed = Needed { blocks: Some(0), checkpoints: Vec::new() };
-        let groups = self.config.groups.iter().zip(&held.groups).zip(&self.align);
+    ) -> Option<i64> {
+        let mut needed = Some(0i64);
+        let groups = self.config.groups.iter().zip(&mut held.groups).zip(&self.align);
         for (g, ((spec, blocks), align)) in groups.enumerate() {
             let hits = hits.get(g).copied().unwrap_or_default();
-            let count = match align {
-                None => {
-                    needed.checkpoints.push(None);
-                    group::num_blocks_to_allocate(
-                        spec,
-                        &self.pool,
-                        blocks,
-                        num_tokens,
-                        hits,
-                        total_computed,
-                        cap,
-                    ) as i64
-                }
-                Some(align) => match mamba::num_blocks_to_allocate(
-                    align,
+            let Some(align) = align else {
+                let count = group::num_blocks_to_allocate(
+                    spec,
                     &self.pool,
                     blocks,
+                    num_tokens,
                     hits,
                     total_computed,
-                    main,
-                    prefill_end,
-                    &self.cached_this_step,
-                ) {
-                    mamba::Demand::Defer => {
-                        needed.checkpoints.push(None);
-                        needed.blocks = None;
-                        continue;
-                    }
-                    mamba::Demand::Blocks { blocks, checkpoint } => {
-                        needed.checkpoints.push(Some(checkpoint));
-                        blocks
-                    }
-                },
+                    cap,
+                );
+                needed = needed.map(|n| n + count as i64);
+                continue;
             };
-            needed.blocks = needed.blocks.map(|b| b + count);
+            let demand = mamba::num_blocks_to_allocate(
+                align,
+                &self.pool,
+                blocks,
+                hits,
+                total_computed,
+                main,
+                prefill_end,
+                &self.cached_this_step,
+            );
+            match demand {
+                mamba::Demand::Defer => needed = None,
+                mamba::Demand::Blocks { blocks: count, checkpoint } => {
+                    if !cap {
+                        blocks.mamba.checkpoint = checkpoint;
+                    }
+                    needed = needed.map(|n| n + count);
+                }
+            }
         }
         needed
     }
@@ -402,8 +394,7 @@ impl KvCacheEngine {
         let free = self.pool.num_free_blocks() as i64;
         if args.full_sequence_must_fit {
             let whole = request.num_tokens.min(max_len);
-            let needed = self.blocks_needed(held, whole, whole, hits, total, prefill_end, true);
-            match needed.blocks {
+            match self.blocks_needed(held, whole, whole, hits, total, prefill_end, true) {
                 Some(n) if n + watermark as i64 <= free => {}
                 _ => return Ok(false),
             }
@@ -425,13 +416,7 @@ impl KvCacheEngine {
         // vLLM counts this chunk's blocks from the computed tokens before the max_model_len cap
         // (the full-sequence gate above uses the capped count).
         let needed = self.blocks_needed(held, slots, main, hits, computed, prefill_end, false);
-        // A Mamba group notes the chunk's checkpoint even if the allocation then fails.
-        for (blocks, checkpoint) in held.groups.iter_mut().zip(needed.checkpoints) {
-            if let Some(checkpoint) = checkpoint {
-                blocks.mamba.checkpoint = checkpoint;
-            }
-        }
-        let Some(needed) = needed.blocks else { return Ok(false) };
+        let Some(needed) = needed else { return Ok(false) };
         // vLLM's `needed + watermark > free - reserved` (the count may be negative).
         let extra =
             args.extra_blocks.saturating_add(watermark).saturating_add(args.reserved_blocks);
@@ -464,9 +449,10 @@ impl KvCacheEngine {
         if self.config.needs_kv_cache_zeroing {
             self.record_new_blocks(held);
         }
-        // Most decode steps fill no block: nothing to register (a Mamba group may still key
-        // a checkpoint).
-        if !args.delay_cache_blocks && (keys.end > keys.first || self.any_align) {
+        // Most decode steps fill no block: nothing to register.
+        if !args.delay_cache_blocks
+            && (keys.end > keys.first || self.tail_may_act(held, request, cache_upto))
+        {
             self.cache_with_keys(held, request, cache_upto, &keys, hashes);
         }
         Ok(true)
@@ -552,7 +538,7 @@ impl KvCacheEngine {
     ) -> CoreResult<()> {
         self.registered.clear();
         let keys = self.read_keys(held, hashes, num_computed)?;
-        if keys.end > keys.first || self.any_align {
+        if keys.end > keys.first || self.tail_may_act(held, request, num_computed) {
             self.cache_with_keys(held, request, num_computed, &keys, hashes);
         }
         Ok(())
@@ -658,6 +644,27 @@ impl KvCacheEngine {
         }
     }
 
+    /// Whether registering up to `num_computed` tokens may key or drop a Mamba state beyond
+    /// the full blocks (`mamba::cache_tail`): a group has a checkpoint, or its cacheable
+    /// tokens end at the prompt's last reusable state.
+    fn tail_may_act(
+        &self,
+        held: &RequestBlocks,
+        request: &RequestState,
+        num_computed: usize,
+    ) -> bool {
+        self.any_align
+            && self.align.iter().zip(&held.groups).zip(&self.eagle_aware).any(
+                |((align, blocks), &eagle)| {
+                    align.is_some_and(|align| {
+                        blocks.mamba.checkpoint.is_some()
+                            || self.cacheable_tokens(num_computed, eagle)
+                                == align.checkpoint_position(request.num_prompt_tokens)
+                    })
+                },
+            )
+    }
+
     /// vLLM's `new_step_starts`, called as each scheduler step begins: Mamba states
     /// registered before it may be adopted again.
     pub fn new_step_starts(&mut self) {
@@ -718,15 +725,15 @@ impl KvCacheEngine {
     /// cap of recycling groups).
     pub fn num_blocks_to_allocate(
         &self,
-        held: &RequestBlocks,
+        held: &mut RequestBlocks,
         num_tokens: usize,
         total_computed: usize,
         cap: bool,
     ) -> i64 {
         // A Mamba group reads the main model's tokens as the slots (no lookahead slots on
-        // this path) and keeps its checkpoint as it is.
-        let needed = self.blocks_needed(held, num_tokens, num_tokens, &[], total_computed, 0, cap);
-        needed.blocks.unwrap_or(self.pool.num_blocks() as i64 + 1)
+        // this path); vLLM answers a deferral with one block more than the pool has.
+        self.blocks_needed(held, num_tokens, num_tokens, &[], total_computed, 0, cap)
+            .unwrap_or(self.pool.num_blocks() as i64 + 1)
     }
 
     /// vLLM's `free`: every group releases the request's blocks, last block first.
