@@ -175,6 +175,24 @@ def test_engine_configuration_falls_back(model_dir: Path, case: str) -> None:
     assert fell_back(decide(model_dir, change), reason)
 
 
+@pytest.mark.parametrize(
+    ("connector", "module_path", "named"),
+    [
+        ("NixlConnector", None, "NixlConnector"),
+        ("LMCacheConnectorV1", None, "LMCacheConnectorV1"),
+        ("OffloadingConnector", "my.connectors", "OffloadingConnector from my.connectors"),
+    ],
+)
+def test_the_fallback_names_the_connector(
+    model_dir: Path, connector: str, module_path: str | None, named: str
+) -> None:
+    """Every connector but vLLM's own OffloadingConnector falls back, and the log line and
+    status() name it."""
+    transfer = SimpleNamespace(kv_connector=connector, kv_connector_module_path=module_path)
+    assert fell_back(decide(model_dir, setter("kv_transfer_config", transfer)), "kv_connector")
+    assert f"(kv_transfer_config) ({named})" in str(kvblocks.vllm.status())
+
+
 def test_aux_output_falls_back(model_dir: Path) -> None:
     aux = setter("aux_output_config", SimpleNamespace(enabled=True))
     assert fell_back(decide(model_dir, aux), "aux_output")

@@ -30,7 +30,7 @@ from vllm.v1.core.sched import scheduler as _scheduler_module
 from kvblocks.vllm import _state, fingerprints
 from kvblocks.vllm._state import Reason
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
-from kvblocks.vllm.support import Unsupported, unsupported_config
+from kvblocks.vllm.support import Unsupported, connector_name, unsupported_config
 
 #: The part of kvblocks this module installs (the name ``status()`` reports it under).
 _PART = "kv_cache_manager"
@@ -64,6 +64,8 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     detail = None
     try:
         reason = unsupported_config(vllm_config, allowed_scheduler_cls=(Scheduler, AsyncScheduler))
+        if reason in (Reason.KV_CONNECTOR, Reason.MAMBA_PREFIX_CACHING):
+            detail = connector_name(vllm_config.kv_transfer_config)
     except Exception as error:  # an unexpected config shape: never break vLLM's start-up
         reason, detail = Reason.GUARD_ERROR, _state.error_detail(error)
     if reason is None:

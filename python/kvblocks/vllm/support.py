@@ -232,6 +232,16 @@ def unsupported_config(
 CONNECTORS = frozenset({"OffloadingConnector"})
 
 
+def connector_name(transfer: Any) -> str | None:
+    """The KV connector a ``kv_transfer_config`` names (with its module path when it has one),
+    for the line that says why kvblocks steps aside; ``None`` without one."""
+    if transfer is None:
+        return None
+    name = getattr(transfer, "kv_connector", None) or type(transfer).__name__
+    path = getattr(transfer, "kv_connector_module_path", None)
+    return f"{name} from {path}" if path else str(name)
+
+
 def _is_offloading_connector(transfer: Any) -> bool:
     """vLLM's own ``OffloadingConnector`` (by name, from vLLM's registry, not a module path
     of the user's); HiSparse, whose connector reads vLLM's coordinator, is refused apart."""
