@@ -337,25 +337,41 @@ def test_multi_token_lookahead_hashing_falls_back(model_dir: Path) -> None:
     assert "lookahead hashing of two or more tokens" in str(kvblocks.vllm.status())
 
 
+#: The speculative decoding the random scripts draw: none, n-gram, EAGLE with lookahead hashes,
+#: EAGLE with the block drop (in the draft group, or in every group) and one-module MTP.
+SPECULATIONS = [
+    None,
+    Speculation("ngram", 3),
+    Speculation("eagle", 3),
+    Speculation("eagle", 3, disable_lookahead_block_hashes=True),
+    Speculation("eagle", 3, disable_lookahead_block_hashes=True, draft_groups=[]),
+    Speculation("mtp", 3, mtp_modules=1),
+]
+
+
 @st.composite
 def scripts(draw: st.DrawFn) -> Script:
     """Random requests, aborts and resets on a random Mamba layout, prefix caching off or on
-    (with a random checkpoint alignment and retention interval)."""
+    (with a random checkpoint alignment and retention interval). Prompts share prefixes of
+    two random token runs (some are resent whole), so that states are hit."""
     layout = draw(st.sampled_from(list(LAYOUTS)))
     caching = draw(st.booleans())
     n = draw(st.integers(1, 10))
-    requests = [
-        RequestSpec(
-            prompt=draw(st.lists(st.integers(0, 999), min_size=1, max_size=90)),
-            max_tokens=draw(st.integers(1, 24)),
-            step=draw(st.integers(0, 12)),
+    bases = draw(
+        st.lists(st.lists(st.integers(0, 999), min_size=1, max_size=80), min_size=2, max_size=2)
+    )
+    requests = []
+    for _ in range(n):
+        base = draw(st.sampled_from(bases))
+        prompt = base[: draw(st.integers(1, len(base)))]
+        prompt += draw(st.lists(st.integers(0, 999), max_size=12))
+        requests.append(
+            RequestSpec(prompt, max_tokens=draw(st.integers(1, 24)), step=draw(st.integers(0, 12)))
         )
-        for _ in range(n)
-    ]
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
     attention_blocks = -(-longest // 4) + 2
     groups = len(LAYOUTS[layout])
-    method = draw(st.sampled_from([None, None, "ngram", "eagle"]))
+    speculation = draw(st.sampled_from(SPECULATIONS))
     spec = spec_for(
         layout,
         # room for the longest request: its attention blocks and each Mamba group's states
@@ -364,7 +380,7 @@ def scripts(draw: st.DrawFn) -> Script:
         max_num_batched_tokens=draw(st.sampled_from([8, 16, 64])),
         async_scheduling=draw(st.booleans()),
         kv_events=draw(st.booleans()),
-        speculative=Speculation(method, 3) if method else None,
+        speculative=speculation,
         enable_caching=caching,
         mamba_checkpoint_alignment=draw(st.sampled_from([None, 1, 4])) if caching else None,
         retention_interval=draw(st.sampled_from([None, 0, 8, 16])) if caching else 0,
