@@ -258,6 +258,50 @@ def test_mamba_prefix_caching_defers_a_state_cached_in_this_step() -> None:
     assert c.get_block_ids("b") == ([1, 2, 4], [0, 3, 5])
 
 
+def test_unhashed_blocks_as_kv_connectors_read_them() -> None:
+    """What NIXL reads of a request's table (``get_blocks(request_id, True)``): per group,
+    after its leading null blocks, the blocks neither null nor registered; a single group's
+    unregistered blocks (vLLM keeps null ones there). A result without keys refuses."""
+    c = core(16, 4, [KVCacheGroup("full", 4), KVCacheGroup("sliding_window", 4, sliding_window=4)])
+    admit(c, "a", [h(1), h(2)], 10)  # two full blocks registered, the third not
+    c.free("a")
+    hits, num_hit, _ = c.lookup([h(1), h(2), h(3)], 12)
+    assert num_hit == 8
+    b = request("b", [h(1), h(2), h(3)], 14)
+    c.allocate_for_request(b, 2, num_new_computed_tokens=8, new_computed_blocks=hits)
+    full, window = c.get_block_ids("b")
+    assert window[0] == 0  # out of the window: null
+    blocks = c.get_blocks("b", True)
+    hit_full, hit_window = hits.get_block_ids()
+    assert blocks.get_unhashed_block_ids_all_groups() == [
+        [blk for blk in full if blk not in hit_full],
+        [blk for blk in window if blk and blk not in hit_window],
+    ]
+    with pytest.raises(ValueError, match="one KV-cache group"):
+        blocks.get_unhashed_block_ids()
+    with pytest.raises(AttributeError, match="block ids only"):
+        c.get_blocks("b").get_unhashed_block_ids_all_groups()
+    assert KVCacheBlockIds([[], []]).get_unhashed_block_ids_all_groups() == [[], []]
+    one = core(8, 4)
+    admit(one, "x", [h(1)], 6)
+    assert one.get_blocks("x", True).get_unhashed_block_ids() == one.get_block_ids("x")[0][1:]
+
+
+def test_evict_blocks_and_record_blocks_for_zeroing() -> None:
+    c = core(16, 4, needs_kv_cache_zeroing=True)
+    ids = admit(c, "a", [h(1), h(2)], 10)[0]
+    c.take_new_block_ids()
+    with pytest.raises(ValueError, match="out of range"):
+        c.evict_blocks({ids[0], 99})
+    assert c.lookup([h(1), h(2)], 9)[1] == 8  # nothing changed
+    c.evict_blocks({ids[1]})
+    assert c.lookup([h(1), h(2)], 9)[1] == 4  # the second block's entry is gone
+    with pytest.raises(ValueError, match="block boundary"):
+        c.record_blocks_for_zeroing("a", 2)
+    c.record_blocks_for_zeroing("a", 4)
+    assert c.take_new_block_ids() == ids[1:]
+
+
 def test_refusal_when_full_changes_nothing() -> None:
     c = core(4, 4)
     admit(c, "a", [], 9)  # 3 blocks: the pool is full

@@ -132,6 +132,19 @@ impl PyKvCacheBlockView {
     }
 }
 
+impl PyKvCacheBlockIds {
+    /// The per-group keys of a result asked for with them (what KV connectors get), or an
+    /// AttributeError naming `what`.
+    fn keys_for(&self, what: &str) -> PyResult<&Vec<Vec<Option<CacheKey>>>> {
+        self.keys.as_ref().ok_or_else(|| {
+            pyo3::exceptions::PyAttributeError::new_err(format!(
+                "{what}: this KVCacheBlockIds holds block ids only (KVCacheCore.get_blocks(\
+                 request_id, True) also gives the blocks' keys)"
+            ))
+        })
+    }
+}
+
 #[pymethods]
 impl PyKvCacheBlockIds {
     #[new]
@@ -166,6 +179,51 @@ impl PyKvCacheBlockIds {
             lists.push(PyTuple::new(py, views)?);
         }
         PyTuple::new(py, lists)
+    }
+
+    /// vLLM's `KVCacheBlocks.get_unhashed_block_ids` (one group only): the ids of the blocks
+    /// registered under no key, the null block included, as vLLM's.
+    fn get_unhashed_block_ids(&self) -> PyResult<Vec<u32>> {
+        let [ids] = self.groups.as_slice() else {
+            return Err(PyValueError::new_err(format!(
+                "get_unhashed_block_ids supports one KV-cache group, not {}",
+                self.groups.len()
+            )));
+        };
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys = self.keys_for("get_unhashed_block_ids")?;
+        let group_keys = keys.first().map(Vec::as_slice).unwrap_or_default();
+        Ok(ids
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| group_keys.get(i).is_none_or(Option::is_none))
+            .map(|(_, &id)| id)
+            .collect())
+    }
+
+    /// vLLM's `KVCacheBlocks.get_unhashed_block_ids_all_groups`: per group, after its leading
+    /// null blocks, the ids of the blocks that are neither null nor registered under a key.
+    fn get_unhashed_block_ids_all_groups(&self) -> PyResult<Vec<Vec<u32>>> {
+        if self.groups.iter().all(Vec::is_empty) {
+            return Ok(vec![Vec::new(); self.groups.len()]);
+        }
+        let keys = self.keys_for("get_unhashed_block_ids_all_groups")?;
+        Ok(self
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, ids)| {
+                let group_keys = keys.get(g).map(Vec::as_slice).unwrap_or_default();
+                ids.iter()
+                    .enumerate()
+                    .skip_while(|&(_, &id)| id == 0)
+                    .filter(|&(i, &id)| id != 0 && group_keys.get(i).is_none_or(Option::is_none))
+                    .map(|(_, &id)| id)
+                    .collect()
+            })
+            .collect())
     }
 
     /// vLLM's `KVCacheBlocks.get_block_ids`: one list of ids per group (of the groups in
@@ -232,6 +290,11 @@ fn hashes_arg<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<ListHashes<'a, 'p
     obj.cast::<PyList>().map(ListHashes).map_err(|_| {
         PyTypeError::new_err(format!("block_hashes must be a list, got {}", type_name(obj)))
     })
+}
+
+/// Block ids from any iterable of ints, in its order.
+fn block_ids_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    obj.try_iter()?.map(|item| item.and_then(|b| b.extract::<u32>())).collect()
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -519,10 +582,7 @@ impl PyKvCacheCore {
     /// more often than held.
     #[pyo3(signature = (block_ids, /))]
     fn free_blocks(&self, block_ids: &Bound<'_, PyAny>) -> GlueResult<()> {
-        let ids = block_ids
-            .try_iter()?
-            .map(|item| item.and_then(|b| b.extract::<u32>()))
-            .collect::<PyResult<Vec<u32>>>()?;
+        let ids = block_ids_arg(block_ids)?;
         Ok(self.lock()?.free_blocks(&ids)?)
     }
 
@@ -628,6 +688,22 @@ impl PyKvCacheCore {
 
     fn reset_prefix_cache(&self) -> PyResult<bool> {
         Ok(self.lock()?.reset_prefix_cache())
+    }
+
+    /// vLLM's `record_blocks_for_zeroing`: the request's blocks from token `start_token` on
+    /// are recorded again for zeroing (a failed asynchronous load); a ValueError, changing
+    /// nothing, unless `start_token` is at a block boundary.
+    #[pyo3(signature = (request_id, start_token, /))]
+    fn record_blocks_for_zeroing(&self, request_id: &str, start_token: usize) -> GlueResult<()> {
+        Ok(self.lock()?.record_blocks_for_zeroing(request_id, start_token)?)
+    }
+
+    /// vLLM's `evict_blocks`: the blocks (any iterable of ids, in its order) lose their
+    /// prefix-cache entries; a ValueError, changing nothing, for an id out of range.
+    #[pyo3(signature = (block_ids, /))]
+    fn evict_blocks(&self, block_ids: &Bound<'_, PyAny>) -> GlueResult<()> {
+        let ids = block_ids_arg(block_ids)?;
+        Ok(self.lock()?.evict_blocks(&ids)?)
     }
 
     /// vLLM's `new_step_starts`, at the start of every scheduler step: Mamba states cached

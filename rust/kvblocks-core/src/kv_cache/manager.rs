@@ -192,6 +192,26 @@ impl KvCacheManager {
         self.engine.new_step_starts();
     }
 
+    /// vLLM's `record_blocks_for_zeroing` for `request_id` (see
+    /// [`KvCacheEngine::record_blocks_for_zeroing`]); a no-op for an unknown id.
+    pub fn record_blocks_for_zeroing(
+        &mut self,
+        request_id: &str,
+        start_token: usize,
+    ) -> CoreResult<()> {
+        match self.requests.get(request_id) {
+            Some(held) => self.engine.record_blocks_for_zeroing(held, start_token),
+            None => Ok(()),
+        }
+    }
+
+    /// vLLM's `evict_blocks` (see [`KvCacheEngine::evict_blocks`]).
+    pub fn evict_blocks(&mut self, ids: &[u32]) -> CoreResult<()> {
+        self.engine.evict_blocks(ids)?;
+        self.drain_events("");
+        Ok(())
+    }
+
     /// vLLM's `take_new_block_ids` (see [`KvCacheEngine::take_new_block_ids`]).
     pub fn take_new_block_ids(&mut self) -> Vec<u32> {
         self.engine.take_new_block_ids()

@@ -491,6 +491,46 @@ impl KvCacheEngine {
         }
     }
 
+    /// vLLM's `record_blocks_for_zeroing`: records `held`'s blocks from token `start_token`
+    /// on again for zeroing (blocks a failed asynchronous load left unwritten), in each
+    /// attention group (null entries included, as vLLM's). `start_token` must be a multiple
+    /// of each such group's block size (vLLM asserts it); refused otherwise, changing nothing.
+    pub fn record_blocks_for_zeroing(
+        &mut self,
+        held: &RequestBlocks,
+        start_token: usize,
+    ) -> CoreResult<()> {
+        if !self.config.needs_kv_cache_zeroing {
+            return Ok(());
+        }
+        let attention = || self.config.groups.iter().filter(|g| g.kind.is_attention());
+        if let Some(g) = attention().find(|g| start_token % g.block_size != 0) {
+            return Err(invalid(format!(
+                "record_blocks_for_zeroing: token {start_token} is not at a block boundary of \
+                 {}-token blocks",
+                g.block_size
+            )));
+        }
+        let groups = self.config.groups.iter().zip(&held.groups).zip(&mut self.new_block_ids);
+        for ((spec, blocks), ids) in groups.filter(|((spec, _), _)| spec.kind.is_attention()) {
+            let from = start_token / spec.block_size;
+            ids.extend_from_slice(blocks.blocks.get(from..).unwrap_or_default());
+        }
+        Ok(())
+    }
+
+    /// vLLM's `evict_blocks`: the listed blocks lose their cache entry (a `BlockRemoved` each
+    /// that had one), whether or not they are in use, in the order given. Refused, changing
+    /// nothing, if an id is out of range.
+    pub fn evict_blocks(&mut self, ids: &[u32]) -> CoreResult<()> {
+        let limit = self.pool.num_blocks();
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= limit) {
+            return Err(CoreError::OutOfRange { what: "block id", value: id as usize, limit });
+        }
+        ids.iter().for_each(|&id| self.pool.uncache(id));
+        Ok(())
+    }
+
     /// vLLM's `take_new_block_ids`: the blocks recorded for zeroing since the last call,
     /// group by group (each group's in allocation order), and forgets them.
     pub fn take_new_block_ids(&mut self) -> Vec<u32> {

@@ -633,3 +633,39 @@ fn external_tokens_get_fresh_blocks_within_the_window_and_deferred_frees_keep_th
     assert_eq!(free_queue(&m)[..3], [window_table[2], full_table[2], full_table[1]]);
     assert_eq!(free_queue(&m).last(), Some(&1));
 }
+
+#[test]
+fn evicting_blocks_drops_their_keys_and_zeroing_records_a_table_again() {
+    // vLLM's failed-load paths: evict_blocks takes the listed blocks' cache entries away (a
+    // BlockRemoved each that had one) without freeing them; record_blocks_for_zeroing records
+    // an attention group's blocks from a block boundary on for zeroing again.
+    let mut m = KvCacheManager::new(EngineConfig {
+        groups: vec![full(4), window(4, 4)],
+        lookup_sets: vec![vec![0], vec![1]],
+        enable_events: true,
+        needs_kv_cache_zeroing: true,
+        ..EngineConfig::single_group(20, 4, 1 << 20)
+    })
+    .unwrap();
+    admit(&mut m, "a", &hashes(1..4), 12);
+    let (full_table, window_table) = (table(&m, "a", 0), table(&m, "a", 1));
+    m.take_new_block_ids();
+    m.take_events();
+    let free = m.num_free_blocks();
+    assert!(m.evict_blocks(&[full_table[1], 99]).is_err(), "an id out of range");
+    assert!(m.take_events().is_empty(), "a refused call changes nothing");
+    m.evict_blocks(&[full_table[1], full_table[0], 0]).unwrap();
+    let removed = m.take_events();
+    let expected = [2, 1].map(|i| ManagerEvent::Removed { hash: h(i), group: 0 });
+    assert_eq!(removed, expected, "in the order given; the null block has no entry");
+    assert_eq!(m.num_free_blocks(), free, "evicted, not freed");
+    assert_eq!(m.lookup(&hashes(1..4)[..], 11).unwrap().num_tokens, 0);
+
+    assert!(m.record_blocks_for_zeroing("a", 6).is_err(), "not at a block boundary");
+    assert!(m.take_new_block_ids().is_empty());
+    m.record_blocks_for_zeroing("a", 4).unwrap();
+    let expected: Vec<u32> = [&full_table[1..], &window_table[1..]].concat();
+    assert_eq!(m.take_new_block_ids(), expected, "group by group, in table order");
+    m.record_blocks_for_zeroing("unknown", 0).unwrap();
+    assert!(m.take_new_block_ids().is_empty());
+}
