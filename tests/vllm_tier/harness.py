@@ -8,6 +8,7 @@ the result of any ``reset_prefix_cache``; the run ends with every request's bloc
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,6 +110,9 @@ def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
     """One run of the script (no request hashing where prefix caching is off, as in
     ``EngineCore``)."""
     arrivals = []
+    # EngineCore hashes requests for prefix caching or a KV connector.
+    spec = script.spec
+    hashed = spec.enable_caching or bool(spec.kv_offloading) or spec.nixl
     for i, r in enumerate(script.requests):
         kwargs: dict[str, Any] = {"cache_salt": r.salt}
         if r.lora is not None:
@@ -116,10 +120,10 @@ def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
         request = make_request(
             f"r{i}",
             r.prompt,
-            # EngineCore hashes requests for prefix caching or a KV connector.
-            hasher if script.spec.enable_caching or script.spec.kv_offloading else None,
+            hasher if hashed else None,
             max_tokens=r.max_tokens,
-            sampling=r.sampling,
+            # a copy per run: KV connectors change a request's kv_transfer_params
+            sampling=copy.deepcopy(r.sampling),
             **kwargs,
         )
         arrivals.append((r.step, request))

@@ -77,6 +77,8 @@ def _outputs(engine_outputs: dict[int, Any]) -> tuple[Any, ...]:
                 list(o.new_token_ids),
                 str(o.finish_reason),
                 None if o.prefill_stats is None else dataclasses.astuple(o.prefill_stats),
+                # what a KV connector hands on (NIXL: a prefill's blocks for the decode node)
+                o.kv_transfer_params,
             )
             for o in eco.outputs
         ]

@@ -266,6 +266,17 @@ class KVCacheManager:
         shared_prefix_boundary = num_tokens + num_uncached if num_uncached else 0
         return hits, num_tokens, shared_prefix_boundary
 
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlockIds, int, int, bool]:
+        """vLLM's lookup for a KV connector that accepts divergent hybrid hits (NIXL): its
+        per-group search applies only to Mamba groups with prefix caching, which kvblocks
+        refuses with a connector, so it is ``get_computed_blocks`` and no divergence."""
+        blocks, num_tokens, shared_prefix_boundary = self.get_computed_blocks(
+            request, max_cache_hit_length
+        )
+        return blocks, num_tokens, shared_prefix_boundary, False
+
     def allocate_slots(
         self,
         request: Request,
@@ -360,6 +371,18 @@ class KVCacheManager:
         to free through ``block_pool.free_blocks`` once no step in flight reads them."""
         blocks: list[int] = self._core.pop_blocks_for_free(request.request_id)
         return blocks
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """vLLM's: the request's blocks from ``start_token`` on are zeroed again (a failed
+        asynchronous load left them unwritten)."""
+        self._core.record_blocks_for_zeroing(request_id, start_token)
+
+    def evict_blocks(self, block_ids: Any) -> None:
+        """vLLM's: the blocks (a set of ids) lose their prefix-cache entries (a connector
+        reported them invalid); in use or not, they stay where they are."""
+        self._core.evict_blocks(block_ids)
+        if self.enable_kv_cache_events:
+            self._collect_events(None)
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
         """Only vLLM's Mamba "align" groups hand partial tails to a connector."""

@@ -19,11 +19,12 @@ option it does not know included, falls back to vLLM's own manager:
   lookahead slots, prefill lookahead, lookahead hashing);
 - vLLM's retention interval (passed to ``KVCacheCore`` with prefix caching) where vLLM's own
   coordinator accepts it (its check decides; a refused one is ``vllm_rejects``);
-- vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``), and
-  none of: another KV connector, an encoder-cache connector, auxiliary outputs, context
-  parallelism, the KV-cache metrics collector, an encoder-decoder model, a custom scheduler
-  class, lookahead hashing of two or more tokens with prefix caching but no full-attention
-  group; one of vLLM's four hash algorithms;
+- vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``) and
+  NIXL's pull connector (disaggregated prefill), and none of: another KV connector, an
+  encoder-cache connector, auxiliary outputs, context parallelism, the KV-cache metrics
+  collector, an encoder-decoder model, a custom scheduler class, lookahead hashing of two or
+  more tokens with prefix caching but no full-attention group; one of vLLM's four hash
+  algorithms;
 - only the ``KVCacheManager`` arguments vLLM 0.33 passes.
 
 Each function returns ``None`` when supported, else the first :class:`~kvblocks.vllm._state.Reason`.
@@ -193,7 +194,7 @@ def unsupported_config(
 ) -> Reason | None:
     """What the engine's ``VllmConfig`` shows (the manager's arguments do not carry it)."""
     transfer = vllm_config.kv_transfer_config
-    if transfer is not None and not _is_offloading_connector(transfer):
+    if transfer is not None and not _is_served_connector(transfer):
         return Reason.KV_CONNECTOR
     cache = vllm_config.cache_config
     if transfer is not None and cache.enable_prefix_caching and cache.mamba_cache_mode == "align":
@@ -226,10 +227,11 @@ def unsupported_config(
     return None
 
 
-#: The KV connectors whose scheduler side kvblocks' manager serves: vLLM's native CPU
-#: offloading (``--kv-offloading-size``), which reads of the manager only what kvblocks gives
-#: as vLLM does (block ids, each block's key at admission, deferred frees).
-CONNECTORS = frozenset({"OffloadingConnector"})
+#: The KV connectors whose scheduler side kvblocks' manager serves, by vLLM's registry name:
+#: vLLM's native CPU offloading (``--kv-offloading-size``) and NIXL's pull connector
+#: (disaggregated prefill), which read of the manager only what kvblocks gives as vLLM does
+#: (block ids, whether each block of a request's table is registered, deferred frees).
+CONNECTORS = frozenset({"OffloadingConnector", "NixlConnector", "NixlPullConnector"})
 
 
 def connector_name(transfer: Any) -> str | None:
@@ -242,9 +244,9 @@ def connector_name(transfer: Any) -> str | None:
     return f"{name} from {path}" if path else str(name)
 
 
-def _is_offloading_connector(transfer: Any) -> bool:
-    """vLLM's own ``OffloadingConnector`` (by name, from vLLM's registry, not a module path
-    of the user's); HiSparse, whose connector reads vLLM's coordinator, is refused apart."""
+def _is_served_connector(transfer: Any) -> bool:
+    """One of :data:`CONNECTORS` (by name, from vLLM's registry, not a module path of the
+    user's); HiSparse, whose connector reads vLLM's coordinator, is refused apart."""
     name = getattr(transfer, "kv_connector", None)
     return name in CONNECTORS and getattr(transfer, "kv_connector_module_path", None) is None
 
@@ -268,17 +270,11 @@ def _is_allowed(scheduler_cls: Any, allowed: tuple[Any, ...]) -> bool:
 #: (``bind_kv_cache_manager``) and custom schedulers. (The OffloadingConnector's paths are
 #: implemented: deferred frees, the async-load reservation, finished requests' blocks.)
 UNREACHABLE: dict[str, tuple[str, ...]] = {
-    # The scheduler's paths for other connectors: connector-side hybrid hits, sub-block
-    # hits, failed loads.
-    "KVCacheManager.get_computed_blocks_for_connector": ("kv_connector",),
+    # The scheduler's paths for other connectors: sub-block hits.
     "KVCacheManager.truncate_computed_blocks": ("kv_connector",),
-    "KVCacheManager.record_blocks_for_zeroing": ("kv_connector",),
-    "KVCacheManager.evict_blocks": ("kv_connector",),
     "KVCacheManager.create_kv_cache_blocks": ("kv_connector", "scheduler_cls"),
     # What connectors read of the blocks they are handed (and the scheduler, for a connector's
     # in-flight loads).
-    "KVCacheBlocks.get_unhashed_block_ids": ("kv_connector",),
-    "KVCacheBlocks.get_unhashed_block_ids_all_groups": ("kv_connector",),
     "KVCacheBlocks.new_empty": ("kv_connector", "scheduler_cls"),
     "KVCacheBlocks.__add__": ("kv_connector", "scheduler_cls"),
     # The coordinator: HiSparse.

@@ -19,7 +19,10 @@ model outputs. The scheduler, its KV-cache manager and the request block hasher 
 - :mod:`~kvblocks.vllm.bench_driver.offloading`: vLLM's native CPU offloading (the
   ``OffloadingConnector``, ``SchedulerSpec.kv_offloading``) with a fake worker side. It
   imports vLLM, so it is not imported here: the driver imports it where a spec turns
-  offloading on.
+  offloading on;
+- :mod:`~kvblocks.vllm.bench_driver.nixl`: NIXL's pull connector in both roles
+  (disaggregated prefill and decode, ``SchedulerSpec.nixl``) with a fake worker side, and the
+  ``kv_transfer_params`` of prefill and decode requests.
 
 Importing the driver imports nothing of vLLM and changes no environment variable; it fails
 with ModuleNotFoundError where vllm is not installed (``kvblocks bench --engine vllm`` says so).

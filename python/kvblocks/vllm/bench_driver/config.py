@@ -160,10 +160,15 @@ class SchedulerSpec:
     #: checkpoints (vLLM gives the spec one checkpoint block then): Qwen3.5's gated delta-net
     #: uses the Mamba block size, Mamba2 layers 1. ``None``: no checkpoints (Mamba1).
     mamba_checkpoint_alignment: int | None = None
+    #: vLLM's ``NixlConnector`` in both roles (disaggregated prefill and decode,
+    #: :mod:`~kvblocks.vllm.bench_driver.nixl`); requests say which role theirs is.
+    nixl: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_offloading < 0:
             raise ValueError(f"kv_offloading must be >= 0 chunks, not {self.kv_offloading}")
+        if self.kv_offloading and self.nixl:
+            raise ValueError("one KV connector at a time: kv_offloading or nixl")
         if self.async_scheduling and self.speculative and self.speculative.method == "suffix":
             # V2 does not run suffix decoding, and V1 refuses it with async scheduling.
             raise ValueError("vLLM has no model runner for suffix decoding under async scheduling")
@@ -207,6 +212,10 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         from kvblocks.vllm.bench_driver.offloading import kv_transfer_config
 
         extra["kv_transfer_config"] = kv_transfer_config(spec, make_kv_cache_config(spec))
+    if spec.nixl:
+        from kvblocks.vllm.bench_driver import nixl
+
+        extra["kv_transfer_config"] = nixl.kv_transfer_config()
     if spec.kv_events:
         from vllm.config import KVEventsConfig
 
@@ -225,7 +234,7 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         parallel_config=parallel_config,
         **extra,
     )
-    if spec.kv_offloading and async_flag:
+    if (spec.kv_offloading or spec.nixl) and async_flag:
         # Back on after the CPU platform turned it off: with a KV connector the scheduler
         # defers freeing blocks while a later step may still write them (defer_block_free),
         # as it does under async scheduling on a GPU.

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvblocks.vllm.bench_driver.drafts import Drafter
+    from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
     from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
 
 
@@ -83,15 +84,13 @@ class FakeModel:
     def __init__(self, drafter: Drafter | None = None) -> None:
         self._num_sampled: dict[str, int] = {}
         self.drafter = drafter
-        self.connector_worker: ConnectorWorker | None = None
+        self.connector_worker: ConnectorWorker | FakeNixlWorker | None = None
 
     def execute(self, scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         kv_connector_output = None
         if scheduler.connector is not None:
             if self.connector_worker is None:
-                from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
-
-                self.connector_worker = ConnectorWorker(scheduler)
+                self.connector_worker = connector_worker(scheduler)
             kv_connector_output = self.connector_worker.step(out)
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -125,6 +124,21 @@ class FakeModel:
         return None if self.drafter is None else self.drafter.take_draft_token_ids()
 
 
+def connector_worker(scheduler: Scheduler) -> ConnectorWorker | FakeNixlWorker:
+    """The worker side the driver fakes for the scheduler's KV connector: NIXL's, or the
+    OffloadingConnector's (:class:`~kvblocks.vllm.bench_driver.offloading.ConnectorWorker`,
+    which refuses any other connector)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+
+    if isinstance(scheduler.connector, NixlConnector):
+        from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
+
+        return FakeNixlWorker()
+    from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
+
+    return ConnectorWorker(scheduler)
+
+
 def model_output(
     req_ids: list[str],
     sampled: list[list[int]],
@@ -153,10 +167,20 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
     without a connector)."""
     cached = out.scheduled_cached_reqs
     connector: tuple[Any, ...] = ([], [], [])
-    if out.kv_connector_metadata is not None:
-        from kvblocks.vllm.bench_driver.offloading import connector_decisions
+    metadata = out.kv_connector_metadata
+    if metadata is not None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
 
-        connector = connector_decisions(out)
+        if isinstance(metadata, NixlConnectorMetadata):
+            from kvblocks.vllm.bench_driver import nixl
+
+            connector = nixl.connector_decisions(out)
+        else:
+            from kvblocks.vllm.bench_driver.offloading import connector_decisions
+
+            connector = connector_decisions(out)
     return (
         sorted(out.num_scheduled_tokens.items()),
         [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],

@@ -1,0 +1,110 @@
+"""vLLM's ``NixlConnector`` (disaggregated prefill and decode, NIXL's pull mode) for the
+driver: the configuration ``SchedulerSpec.nixl`` turns on, the ``kv_transfer_params`` a
+router gives prefill and decode requests, and a fake worker side.
+
+One scheduler plays both roles (``kv_role="kv_both"``): a request with
+:func:`prefill_params` is a prefill node's (it computes its prompt, and its blocks stay held
+after it finishes until the decode node has read them); one with :func:`decode_params` is a
+decode node's (its prompt's KV is read from a remote prefill node, asynchronously, into the
+blocks the scheduler allocates for it). The connector's scheduler side is vLLM's, unchanged;
+its worker side is :class:`FakeNixlWorker`: a read started by a step's metadata completes in
+that step, and a finished prefill's blocks are read ``read_delay`` steps after the step that
+hands them over. No NIXL library, network or GPU is involved."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvblocks.vllm.bench_driver.config import select_cpu_platform
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+#: The engine id every run uses (vLLM's default is a random one, which the connector puts in
+#: the ``kv_transfer_params`` it returns).
+ENGINE_ID = "kvblocks-driver"
+#: The remote prefill node decode requests read from (nothing connects to it).
+REMOTE_ENGINE_ID = "kvblocks-driver-prefill"
+
+
+def kv_transfer_config() -> KVTransferConfig:
+    """NIXL's connector in both roles, as ``--kv-transfer-config`` sets it."""
+    select_cpu_platform()
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", engine_id=ENGINE_ID)
+
+
+def prefill_params() -> dict[str, Any]:
+    """A prefill node's request: its KV goes to a decode node once computed."""
+    return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def decode_params(request_id: str, num_remote_blocks: int) -> dict[str, Any]:
+    """A decode node's request, as the prefill node's ``request_finished`` returned it: its
+    prompt's KV is on the remote prefill node (``num_remote_blocks`` blocks)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(range(1, num_remote_blocks + 1))],
+        "remote_engine_id": REMOTE_ENGINE_ID,
+        "remote_request_id": f"prefill-{request_id}",
+        "remote_host": "localhost",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+
+
+class FakeNixlWorker:
+    """NIXL's worker side, faked: every read a step's metadata starts for a request the
+    scheduler parked (``awaiting_kvs``) completes in that step (``finished_recving``), and
+    every finished prefill's blocks handed over in a step (``reqs_to_send``) are read by the
+    decode node ``read_delay`` steps later (``finished_sending``); an aborted one
+    (``reqs_not_processed``) is not."""
+
+    def __init__(self, read_delay: int = 2) -> None:
+        self.read_delay = read_delay
+        self._sending: dict[str, int] = {}
+
+    def step(self, out: SchedulerOutput) -> KVConnectorOutput:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput
+
+        metadata = out.kv_connector_metadata
+        assert isinstance(metadata, NixlConnectorMetadata)
+        recving = {r for r, meta in metadata.reqs_to_recv.items() if meta.awaiting_kvs}
+        for request_id in metadata.reqs_to_send:
+            self._sending.setdefault(request_id, self.read_delay)
+        for request_id in metadata.reqs_not_processed:
+            self._sending.pop(request_id, None)
+        sent = set()
+        for request_id in list(self._sending):
+            self._sending[request_id] -= 1
+            if self._sending[request_id] <= 0:
+                del self._sending[request_id]
+                sent.add(request_id)
+        return KVConnectorOutput(finished_sending=sent or None, finished_recving=recving or None)
+
+
+def connector_decisions(out: SchedulerOutput) -> tuple[list[Any], list[Any], list[Any]]:
+    """What a step's NIXL metadata decided, as plain values: the reads it starts (request id,
+    the local blocks per group that receive the remote KV, the locally cached blocks per
+    group, whether the request waits for them), the finished prefills whose blocks are
+    handed over, and the requests prefilled in the batch and those that will not be sent."""
+    metadata = out.kv_connector_metadata
+    recv = sorted(
+        (
+            request_id,
+            [list(group) for group in meta.local_block_ids],
+            tuple(meta.local_num_computed_blocks),
+            meta.awaiting_kvs,
+        )
+        for request_id, meta in metadata.reqs_to_recv.items()
+    )
+    send = sorted(metadata.reqs_to_send)
+    other = [sorted(metadata.reqs_in_batch), sorted(metadata.reqs_not_processed)]
+    return recv, send, other
