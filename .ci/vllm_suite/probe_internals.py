@@ -11,10 +11,7 @@ manager to see whether their *decisions* agree:
   (the number of requests holding blocks). ``block_pool.blocks`` is empty: ref counts are not
   exposed, and "every block free" is already the free-block count;
 - ``test_scheduler_reset_prefix_cache`` gets a stub aux-output connector (vLLM's reads the
-  block pool) that caps nothing and records nothing;
-- ``test_remote_kv_promotion_drains_before_grammar_prefix`` gets a connector Mock that does
-  not claim the hybrid-only ``supports_divergent_local_hybrid_hits`` (any Mock attribute is
-  truthy), so the scheduler takes the plain ``get_computed_blocks`` path.
+  block pool) that caps nothing and records nothing.
 
 A listed test that passes under the probe reads internals only; one that still fails needs a
 closer look (it may be a real difference, or a vLLM path kvblocks never reaches).
@@ -25,7 +22,6 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 from typing import Any
-from unittest.mock import Mock
 
 import pytest
 
@@ -75,12 +71,6 @@ class _AuxOutputStub:
         return lambda *args, **kwargs: None
 
 
-class _PlainConnectorMock(Mock):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.supports_divergent_local_hybrid_hits = False
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     from vllm.v1.core.sched import scheduler as scheduler_module
@@ -105,7 +95,6 @@ def pytest_configure(config: pytest.Config) -> None:
 #: test name -> (module attribute, stand-in), set for that test only
 _STAND_INS = {
     "test_scheduler_reset_prefix_cache": ("AuxOutputSchedulerConnector", _AuxOutputStub),
-    "test_remote_kv_promotion_drains_before_grammar_prefix": ("Mock", _PlainConnectorMock),
 }
 
 
