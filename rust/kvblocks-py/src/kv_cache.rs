@@ -133,14 +133,19 @@ impl PyKvCacheBlockView {
 }
 
 impl PyKvCacheBlockIds {
-    /// The per-group keys of a result asked for with them (what KV connectors get), or an
-    /// AttributeError naming `what`.
-    fn keys_for(&self, what: &str) -> PyResult<&Vec<Vec<Option<CacheKey>>>> {
-        self.keys.as_ref().ok_or_else(|| {
-            pyo3::exceptions::PyAttributeError::new_err(format!(
+    /// What reads the blocks' keys gets: a function giving block `i` of group `g`'s key, for
+    /// a result asked for with them (what KV connectors get) or an empty one (no block, no
+    /// key); an AttributeError naming `what` for ids only.
+    fn keys_for(&self, what: &str) -> PyResult<impl Fn(usize, usize) -> Option<CacheKey> + '_> {
+        if self.keys.is_none() && self.groups.iter().any(|g| !g.is_empty()) {
+            return Err(pyo3::exceptions::PyAttributeError::new_err(format!(
                 "{what}: this KVCacheBlockIds holds block ids only (KVCacheCore.get_blocks(\
                  request_id, True) also gives the blocks' keys)"
-            ))
+            )));
+        }
+        let keys = self.keys.as_ref();
+        Ok(move |g: usize, i: usize| {
+            keys.and_then(|k| k.get(g)).and_then(|k| k.get(i)).copied().flatten()
         })
     }
 }
@@ -158,21 +163,14 @@ impl PyKvCacheBlockIds {
     /// True)`, what KV connectors get): an AttributeError otherwise.
     #[getter]
     fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let keys = match &self.keys {
-            Some(keys) => Some(keys),
-            None if self.groups.iter().all(Vec::is_empty) => None,
-            None => return Err(pyo3::exceptions::PyAttributeError::new_err(
-                "this KVCacheBlockIds holds block ids only (KVCacheCore.get_blocks(request_id, \
-                     True) also gives the blocks' keys)",
-            )),
-        };
+        let key = self.keys_for("blocks")?;
         let mut lists = Vec::with_capacity(self.groups.len());
         for (g, ids) in self.groups.iter().enumerate() {
             let views = ids
                 .iter()
                 .enumerate()
                 .map(|(i, &block_id)| {
-                    let key = keys.and_then(|k| k.get(g)).and_then(|k| k.get(i)).copied().flatten();
+                    let key = key(g, i);
                     Py::new(py, PyKvCacheBlockView { block_id, key })
                 })
                 .collect::<PyResult<Vec<_>>>()?;
@@ -190,38 +188,27 @@ impl PyKvCacheBlockIds {
                 self.groups.len()
             )));
         };
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        let keys = self.keys_for("get_unhashed_block_ids")?;
-        let group_keys = keys.first().map(Vec::as_slice).unwrap_or_default();
+        let key = self.keys_for("get_unhashed_block_ids")?;
         Ok(ids
             .iter()
             .enumerate()
-            .filter(|&(i, _)| group_keys.get(i).is_none_or(Option::is_none))
+            .filter(|&(i, _)| key(0, i).is_none())
             .map(|(_, &id)| id)
             .collect())
     }
 
-    /// vLLM's `KVCacheBlocks.get_unhashed_block_ids_all_groups`: per group, after its leading
-    /// null blocks, the ids of the blocks that are neither null nor registered under a key.
+    /// vLLM's `KVCacheBlocks.get_unhashed_block_ids_all_groups`: per group, the ids of the
+    /// blocks that are neither null nor registered under a key (vLLM first drops a group's
+    /// leading null blocks, which leaves the same ids).
     fn get_unhashed_block_ids_all_groups(&self) -> PyResult<Vec<Vec<u32>>> {
-        if self.groups.iter().all(Vec::is_empty) {
-            return Ok(vec![Vec::new(); self.groups.len()]);
-        }
-        let keys = self.keys_for("get_unhashed_block_ids_all_groups")?;
+        let key = self.keys_for("get_unhashed_block_ids_all_groups")?;
         Ok(self
             .groups
             .iter()
             .enumerate()
             .map(|(g, ids)| {
-                let group_keys = keys.get(g).map(Vec::as_slice).unwrap_or_default();
-                ids.iter()
-                    .enumerate()
-                    .skip_while(|&(_, &id)| id == 0)
-                    .filter(|&(i, &id)| id != 0 && group_keys.get(i).is_none_or(Option::is_none))
-                    .map(|(_, &id)| id)
-                    .collect()
+                let unhashed = |&(i, &id): &(usize, &u32)| id != 0 && key(g, i).is_none();
+                ids.iter().enumerate().filter(unhashed).map(|(_, &id)| id).collect()
             })
             .collect())
     }

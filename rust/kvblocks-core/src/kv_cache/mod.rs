@@ -107,6 +107,21 @@ fn invalid(msg: impl Into<String>) -> CoreError {
     CoreError::InvalidArgument(msg.into())
 }
 
+/// Records each attention group's blocks of `held` from table index `from(group, spec)` on
+/// for the worker to zero (in `ids`, one list per group).
+fn record_for_zeroing(
+    groups: &[GroupSpec],
+    held: &RequestBlocks,
+    ids: &mut [Vec<u32>],
+    from: impl Fn(usize, &GroupSpec) -> usize,
+) {
+    for (g, ((spec, blocks), ids)) in groups.iter().zip(&held.groups).zip(ids).enumerate() {
+        if spec.kind.is_attention() {
+            ids.extend_from_slice(blocks.blocks.get(from(g, spec)..).unwrap_or_default());
+        }
+    }
+}
+
 /// vLLM passes the shared empty result when there is nothing to adopt, and adopts a result
 /// with any block (null ones included).
 fn no_hits(hits: &[&[u32]]) -> bool {
@@ -483,12 +498,9 @@ impl KvCacheEngine {
     /// Records the attention groups' blocks the last `allocate_slots` took for the worker to
     /// zero (vLLM records them as its managers allocate them).
     fn record_new_blocks(&mut self, held: &RequestBlocks) {
-        let groups = self.config.groups.iter().zip(&held.groups).zip(&self.new_from);
-        for (((spec, blocks), &from), ids) in groups.zip(&mut self.new_block_ids) {
-            if spec.kind.is_attention() {
-                ids.extend_from_slice(blocks.blocks.get(from..).unwrap_or_default());
-            }
-        }
+        let new_from = &self.new_from;
+        let from = |g: usize, _: &GroupSpec| new_from.get(g).copied().unwrap_or(0);
+        record_for_zeroing(&self.config.groups, held, &mut self.new_block_ids, from);
     }
 
     /// vLLM's `record_blocks_for_zeroing`: records `held`'s blocks from token `start_token`
@@ -511,11 +523,8 @@ impl KvCacheEngine {
                 g.block_size
             )));
         }
-        let groups = self.config.groups.iter().zip(&held.groups).zip(&mut self.new_block_ids);
-        for ((spec, blocks), ids) in groups.filter(|((spec, _), _)| spec.kind.is_attention()) {
-            let from = start_token / spec.block_size;
-            ids.extend_from_slice(blocks.blocks.get(from..).unwrap_or_default());
-        }
+        let from = |_: usize, spec: &GroupSpec| start_token / spec.block_size;
+        record_for_zeroing(&self.config.groups, held, &mut self.new_block_ids, from);
         Ok(())
     }
 
