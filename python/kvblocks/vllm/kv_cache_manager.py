@@ -228,7 +228,9 @@ class KVCacheManager:
         )
         # Called by the scheduler every step: straight to Rust.
         setattr(self, "take_new_block_ids", self._core.take_new_block_ids)  # noqa: B010
-        setattr(self, "new_step_starts", self._core.new_step_starts)  # noqa: B010
+        if enable_caching and any(spec_kind(g.kv_cache_spec, g.role) == "mamba" for g in groups):
+            # Only Mamba groups with prefix caching keep per-step state.
+            setattr(self, "new_step_starts", self._core.new_step_starts)  # noqa: B010
         self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
         self.coordinator = _Coordinator(specs, eagle_group_ids, self._core)
         self.block_pool = _BlockPool(self._core)
@@ -241,9 +243,9 @@ class KVCacheManager:
 
     def new_step_starts(self) -> None:
         """vLLM's: Mamba states cached before this step may be adopted as hits again (a
-        request whose hit was cached during the step waits for the next one). ``__init__``
-        binds the instance's to Rust directly."""
-        self._core.new_step_starts()
+        request whose hit was cached during the step waits for the next one). Only Mamba
+        groups with prefix caching keep such state: ``__init__`` then binds the instance's to
+        Rust; otherwise there is nothing to do and no call into Rust."""
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
