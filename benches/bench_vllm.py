@@ -15,7 +15,8 @@ the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
   scheduler outputs; on the layouts every request must run to its end without preemption;
 - the 32-token workload on the one-group layout with n-gram and EAGLE speculative decoding,
   and with vLLM's native CPU offloading (``--kv-offloading-size``: the OffloadingConnector
-  storing every prompt block to the CPU tier).
+  storing every prompt block to the CPU tier); and on the Mamba hybrids with prefix caching
+  off (``--no-enable-prefix-caching``, vLLM's Mamba cache mode "none").
 
 Every kvblocks case asserts that kvblocks' hasher and KV-cache manager really ran, with no
 fallback to vLLM's code (and every stock case that vLLM's own ran): a fallback would time
@@ -133,12 +134,17 @@ SPECULATION = {"n-gram": Speculation("ngram", 3), "EAGLE": Speculation("eagle", 
 #: layout: a CPU tier of this many blocks, which stores every prompt block once.
 OFFLOADING = "CPU offloading"
 OFFLOADING_CHUNKS = 16384
-#: (workload, layout, blocks per group, speculative method, OFFLOADING or "").
+#: The Mamba layouts also run without prefix caching (``--no-enable-prefix-caching``: vLLM's
+#: Mamba cache mode "none", one block of ``max_model_len`` tokens per request and group).
+NO_CACHING = "prefix caching off"
+MAMBA = [layout for layout, groups in LAYOUTS.items() if any(k == "mamba" for k, _ in groups)]
+#: (workload, layout, blocks per group, speculative method, OFFLOADING, NO_CACHING or "").
 SCHEDULER_CASES = (
     [(name, "llama", ONE_GROUP_BLOCKS, "") for name in WORKLOADS]
     + [("shared prefix, 32 output tokens", layout, BLOCKS_PER_GROUP, "") for layout in LAYOUTS]
     + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, m) for m in SPECULATION]
     + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, OFFLOADING)]
+    + [("shared prefix, 32 output tokens", m, BLOCKS_PER_GROUP, NO_CACHING) for m in MAMBA]
 )
 
 #: What the layout cases run in an untimed pass (``--benchmark-disable``, as CI runs
@@ -180,6 +186,7 @@ def test_scheduler_cpu_time(
         num_blocks=pool_blocks(blocks_per_group, layout),
         layout=layout,
         hash_algo="sha256",
+        enable_caching=method != NO_CACHING,
         mamba_checkpoint_alignment=mamba_checkpoint_alignment_for(layout, 16),
         max_num_seqs=256,
         max_num_batched_tokens=8192,
@@ -198,10 +205,12 @@ def test_scheduler_cpu_time(
     case = f"vLLM scheduler, 256 requests, {name}"
     if method == OFFLOADING:
         case = f"{case}, {method} ({OFFLOADING_CHUNKS:,} CPU blocks), {blocks_per_group:,} blocks"
-    elif method:
+    elif method in SPECULATION:
         case = f"{case}, {method} speculative decoding (k=3), {blocks_per_group:,} blocks"
     elif layout_case:
         case = _layout_case(f"{case}, {blocks_per_group:,} blocks per group", layout)
+        if method == NO_CACHING:
+            case = f"{case}, {method}"
     _label(benchmark, case, installed)
     benchmark.pedantic(run_once, rounds=3, warmup_rounds=0)
     # Compared: the scheduler-side CPU time each run measured, not building the scheduler.
@@ -213,7 +222,7 @@ def test_scheduler_cpu_time(
     if method == OFFLOADING:  # every request's prompt blocks were stored to the CPU tier
         _assert_every_request_finished(snapshots, workload)
         assert sum(len(snap[STORES]) for snap in snapshots) > 0
-    elif method:  # drafts were scheduled, some accepted: fewer steps than tokens to decode
+    elif method in SPECULATION:  # drafts scheduled, some accepted: fewer steps than tokens
         assert any(snap[DRAFTS] for snap in snapshots)
         assert timings.steps < workload.output_len + 8
     elif layout_case:
