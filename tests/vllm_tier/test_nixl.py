@@ -1,13 +1,15 @@
-"""vLLM's NixlConnector (disaggregated prefill and decode, NIXL's pull mode) on vLLM's
-scheduler, with vLLM's own KV-cache manager and with kvblocks', step by step. One scheduler
-plays both roles: prefill requests keep their blocks after they finish until the (fake)
-decode node has read them; decode requests read their prompt's KV from a (fake) remote
-prefill node into the blocks allocated for them, asynchronously. Every ``SchedulerOutput``,
-the connector's decisions of every step (which reads start, into which local blocks, with
-how many blocks already cached per group; which finished prefills are handed over), every
-request output with the ``kv_transfer_params`` it returns (a prefill's block ids for the
-decode node), statistic, KV event and block table must be identical, and kvblocks' manager
-must have run (``both`` asserts it)."""
+"""vLLM's NIXL connector (disaggregated prefill and decode) in its pull mode
+(``NixlConnector``: the decode node reads) and its push mode (``NixlPushConnector``: the
+prefill node writes) on vLLM's scheduler, with vLLM's own KV-cache manager and with
+kvblocks', step by step. One scheduler plays both roles: prefill requests keep their blocks
+after they finish until the (fake) decode node has them; decode requests get their prompt's
+KV from a (fake) remote prefill node into the blocks allocated for them, asynchronously.
+Every ``SchedulerOutput``, the connector's decisions of every step (which transfers start,
+into which local blocks, with how many blocks already cached per group; push mode's
+registrations of local blocks; which finished prefills are handed over, with which blocks),
+every request output with the ``kv_transfer_params`` it returns (a prefill's block ids for
+the decode node), statistic, KV event and block table must be identical, and kvblocks'
+manager must have run (``both`` asserts it)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from tests.vllm_tier.harness import (
 #: Fields of a step's ``SchedulerOutput`` record (``bench_driver.snapshot``): the connector's
 #: reads, hand-overs, and requests in the batch / not to be sent.
 PREEMPTED, RECV, SEND, OTHER = 5, 9, 10, 11
+#: NIXL's transfer modes (``SchedulerSpec.nixl_transfer_mode``).
+MODES = ["pull", "push"]
 
 LAYOUTS: dict[str, Any] = {
     "llama": "llama",
@@ -40,8 +44,9 @@ LAYOUTS: dict[str, Any] = {
 }
 
 
-def spec_for(layout: str, **kwargs: Any) -> SchedulerSpec:
+def spec_for(layout: str, mode: str = "pull", **kwargs: Any) -> SchedulerSpec:
     kwargs = {
+        "nixl_transfer_mode": mode,
         "block_size": 4,
         "num_blocks": 200,
         "max_num_batched_tokens": 48,
@@ -85,48 +90,95 @@ def records_of(stock: list[Any]) -> list[Any]:
     return [record for record in stock[:-1] if record[0] is not None]
 
 
-def test_the_scheduler_gets_nixl_and_kvblocks_serves_it(model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "connector"), [("pull", "NixlConnector"), ("push", "NixlPushConnector")]
+)
+def test_the_scheduler_gets_nixl_and_kvblocks_serves_it(
+    model_dir: Path, mode: str, connector: str
+) -> None:
     kvblocks.vllm.install("all")
-    scheduler = make_scheduler(model_dir, spec_for("llama"))
+    scheduler = make_scheduler(model_dir, spec_for("llama", mode))
     assert type(scheduler.kv_cache_manager).__module__ == "kvblocks.vllm.kv_cache_manager"
-    assert type(scheduler.connector).__name__ == "NixlPullConnector"  # NixlConnector's class
-    assert "prefix caching on, NixlConnector" in str(kvblocks.vllm.status())
+    # (NixlConnector is vLLM's name for the pull mode's class)
+    assert type(scheduler.connector).__name__ == f"Nixl{mode.title()}Connector"
+    assert f"prefix caching on, {connector}" in str(kvblocks.vllm.status())
 
 
+def assert_decode_requests_got_remote_kv(records: list[Any], mode: str) -> None:
+    """Pull mode: reads the decode requests wait for, into their blocks. Push mode: the
+    decode requests' registrations of their blocks (which the prefill node writes), with
+    the same blocks in the metadata's requests to receive (not waited on: no read)."""
+    reads = [r for record in records for r in record[0][RECV]]
+    if mode == "pull":
+        assert any(awaiting and any(blocks) for _, blocks, _, awaiting in reads), "remote reads"
+        return
+    registered = [r for record in records for r in record[0][OTHER][2]]
+    assert any(any(blocks) for _, blocks in registered), "registrations of local blocks"
+    assert sorted(registered) == sorted(
+        (request_id, blocks) for request_id, blocks, _, awaiting in reads if blocks
+    )
+    assert not any(awaiting for *_, awaiting in reads)
+
+
+def assert_partly_cached_decode_requests(records: list[Any], script: Script, mode: str) -> None:
+    """Decode requests whose prompt is partly cached locally get only the rest: pull mode
+    says how many blocks each group has cached; push mode registers fewer blocks than the
+    prompt's."""
+    reads = [r for record in records for r in record[0][RECV]]
+    if mode == "pull":
+        assert any(any(cached) for _, _, cached, _ in reads)
+        return
+    block_size = script.spec.block_size
+    prompt_blocks = {f"r{i}": len(r.prompt) // block_size for i, r in enumerate(script.requests)}
+    registered = [r for record in records for r in record[0][OTHER][2]]
+    assert any(0 < len(blocks[0]) < prompt_blocks[rid] for rid, blocks in registered)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_disaggregated_prefill_and_decode(
-    model_dir: Path, layout: str, async_scheduling: bool
+    model_dir: Path, layout: str, mode: str, async_scheduling: bool
 ) -> None:
     """Under async scheduling the scheduler also defers freeing a request's blocks while a
     step in flight may still write them (``pop_blocks_for_free``, then the block pool)."""
-    spec = spec_for(layout, async_scheduling=async_scheduling)
+    spec = spec_for(layout, mode, async_scheduling=async_scheduling)
     if async_scheduling:
         assert make_scheduler(model_dir, spec).defer_block_free
-    stock, ours = both(model_dir, disaggregated_script(spec, 24, seed=3))
+    script = disaggregated_script(spec, 24, seed=3)
+    stock, ours = both(model_dir, script)
     assert_same(stock, ours)
     records = records_of(stock)
-    reads = [r for record in records for r in record[0][RECV]]
-    assert any(awaiting and any(blocks) for _, blocks, _, awaiting in reads), "remote reads"
+    assert_decode_requests_got_remote_kv(records, mode)
     assert any(record[0][SEND] for record in records), "finished prefills handed over"
     handed = [o[4] for record in stock[:-1] for o in record[1] if o[4]]
     assert any(params["remote_block_ids"] for params in handed), "a prefill's blocks handed on"
+    assert {params["transfer_mode"] for params in handed} == {mode}
+    if mode == "push":  # the prefill node's workers get the finished prefills' blocks
+        finished = {rid: blocks for record in records for rid, blocks in record[0][OTHER][3]}
+        assert finished == {
+            params["remote_request_id"]: [list(g) for g in params["remote_block_ids"]]
+            for params in handed
+            if any(params["remote_block_ids"])
+        }
     if not layout.endswith("prefix caching off"):
-        # decode requests whose prompt is partly cached locally read only the rest
-        assert any(any(cached) for _, _, cached, _ in reads)
+        assert_partly_cached_decode_requests(records, script, mode)
 
 
-def test_small_pool_preempts_identically(model_dir: Path) -> None:
-    spec = spec_for("llama", num_blocks=28, max_num_batched_tokens=64)
+@pytest.mark.parametrize("mode", MODES)
+def test_small_pool_preempts_identically(model_dir: Path, mode: str) -> None:
+    spec = spec_for("llama", mode, num_blocks=28, max_num_batched_tokens=64)
     stock, ours = both(model_dir, disaggregated_script(spec, 30, seed=7))
     assert_same(stock, ours)
     assert any(record[0][PREEMPTED] for record in records_of(stock)), "must preempt"
 
 
-def test_aborts_and_resets(model_dir: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_aborts_and_resets(model_dir: Path, mode: str) -> None:
     """Prefill requests aborted as they arrive (not to be sent), decode requests aborted one
-    step after they arrive (while their KV is being read), resets that fail and one that
-    finds the engine idle."""
-    script = disaggregated_script(spec_for("gpt-oss"), 24, seed=5)
+    step after they arrive (while their KV is being transferred: in push mode the scheduler
+    holds their blocks until the prefill node's write completes), resets that fail and one
+    that finds the engine idle."""
+    script = disaggregated_script(spec_for("gpt-oss", mode), 24, seed=5)
     step = [r.step for r in script.requests]
     script.aborts = sorted([(step[0], 0), (step[3], 3), (step[1] + 1, 1), (step[4] + 1, 4)])
     script.resets = [2, 25, 299]
@@ -140,6 +192,7 @@ def scripts(draw: st.DrawFn) -> Script:
     layout = draw(st.sampled_from(list(LAYOUTS)))
     spec = spec_for(
         layout,
+        draw(st.sampled_from(MODES)),
         # (a smaller pool can leave a request waiting forever under async scheduling: vLLM's
         # scheduler with NIXL does, on either manager, which the harness cannot compare)
         num_blocks=draw(st.integers(60, 200)),

@@ -20,10 +20,10 @@ option it does not know included, falls back to vLLM's own manager:
 - vLLM's retention interval (passed to ``KVCacheCore`` with prefix caching) where vLLM's own
   coordinator accepts it (its check decides; a refused one is ``vllm_rejects``);
 - vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``) and
-  NIXL's pull connector (disaggregated prefill), and none of: another KV connector, an
-  encoder-cache connector, auxiliary outputs, context parallelism, the KV-cache metrics
-  collector, an encoder-decoder model, a custom scheduler class, lookahead hashing of two or
-  more tokens with prefix caching but no full-attention group; one of vLLM's four hash
+  NIXL's connector in pull or push mode (disaggregated prefill), and none of: another KV
+  connector, an encoder-cache connector, auxiliary outputs, context parallelism, the KV-cache
+  metrics collector, an encoder-decoder model, a custom scheduler class, lookahead hashing of
+  two or more tokens with prefix caching but no full-attention group; one of vLLM's four hash
   algorithms;
 - only the ``KVCacheManager`` arguments vLLM 0.33 passes.
 
@@ -228,10 +228,13 @@ def unsupported_config(
 
 
 #: The KV connectors whose scheduler side kvblocks' manager serves, by vLLM's registry name:
-#: vLLM's native CPU offloading (``--kv-offloading-size``) and NIXL's pull connector
-#: (disaggregated prefill), which read of the manager only what kvblocks gives as vLLM does
-#: (block ids, whether each block of a request's table is registered, deferred frees).
-CONNECTORS = frozenset({"OffloadingConnector", "NixlConnector", "NixlPullConnector"})
+#: vLLM's native CPU offloading (``--kv-offloading-size``) and NIXL's pull and push
+#: connectors (disaggregated prefill), which read of the manager only what kvblocks gives as
+#: vLLM does (block ids, whether each block of a request's table is registered, deferred
+#: frees).
+CONNECTORS = frozenset(
+    {"OffloadingConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector"}
+)
 
 
 def connector_name(transfer: Any) -> str | None:

@@ -20,8 +20,9 @@ model outputs. The scheduler, its KV-cache manager and the request block hasher 
   ``OffloadingConnector``, ``SchedulerSpec.kv_offloading``) with a fake worker side. It
   imports vLLM, so it is not imported here: the driver imports it where a spec turns
   offloading on;
-- :mod:`~kvblocks.vllm.bench_driver.nixl`: NIXL's pull connector in both roles
-  (disaggregated prefill and decode, ``SchedulerSpec.nixl``) with a fake worker side, and the
+- :mod:`~kvblocks.vllm.bench_driver.nixl`: NIXL's connector in both roles, pull or push mode
+  (disaggregated prefill and decode, ``SchedulerSpec.nixl``, ``nixl_transfer_mode``) with a
+  fake worker side, and the
   ``kv_transfer_params`` of prefill and decode requests.
 
 Importing the driver imports nothing of vLLM and changes no environment variable; it fails

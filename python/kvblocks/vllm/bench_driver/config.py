@@ -163,12 +163,19 @@ class SchedulerSpec:
     #: vLLM's ``NixlConnector`` in both roles (disaggregated prefill and decode,
     #: :mod:`~kvblocks.vllm.bench_driver.nixl`); requests say which role theirs is.
     nixl: bool = False
+    #: NIXL's transfer mode: "pull" (the decode node reads, ``NixlConnector``) or "push" (the
+    #: prefill node writes, ``NixlPushConnector``).
+    nixl_transfer_mode: str = "pull"
 
     def __post_init__(self) -> None:
         if self.kv_offloading < 0:
             raise ValueError(f"kv_offloading must be >= 0 chunks, not {self.kv_offloading}")
         if self.kv_offloading and self.nixl:
             raise ValueError("one KV connector at a time: kv_offloading or nixl")
+        if self.nixl_transfer_mode not in ("pull", "push"):
+            raise ValueError(
+                f"nixl_transfer_mode is 'pull' or 'push', not {self.nixl_transfer_mode!r}"
+            )
         if self.async_scheduling and self.speculative and self.speculative.method == "suffix":
             # V2 does not run suffix decoding, and V1 refuses it with async scheduling.
             raise ValueError("vLLM has no model runner for suffix decoding under async scheduling")
@@ -215,7 +222,7 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     if spec.nixl:
         from kvblocks.vllm.bench_driver import nixl
 
-        extra["kv_transfer_config"] = nixl.kv_transfer_config()
+        extra["kv_transfer_config"] = nixl.kv_transfer_config(spec.nixl_transfer_mode)
     if spec.kv_events:
         from vllm.config import KVEventsConfig
 

@@ -128,9 +128,9 @@ def connector_worker(scheduler: Scheduler) -> ConnectorWorker | FakeNixlWorker:
     """The worker side the driver fakes for the scheduler's KV connector: NIXL's, or the
     OffloadingConnector's (:class:`~kvblocks.vllm.bench_driver.offloading.ConnectorWorker`,
     which refuses any other connector)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector
 
-    if isinstance(scheduler.connector, NixlConnector):
+    if isinstance(scheduler.connector, NixlBaseConnector):
         from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
 
         return FakeNixlWorker()

@@ -1,15 +1,19 @@
-"""vLLM's ``NixlConnector`` (disaggregated prefill and decode, NIXL's pull mode) for the
-driver: the configuration ``SchedulerSpec.nixl`` turns on, the ``kv_transfer_params`` a
+"""vLLM's NIXL connector (disaggregated prefill and decode, in NIXL's pull or push mode) for
+the driver: the configuration ``SchedulerSpec.nixl`` turns on, the ``kv_transfer_params`` a
 router gives prefill and decode requests, and a fake worker side.
 
 One scheduler plays both roles (``kv_role="kv_both"``): a request with
 :func:`prefill_params` is a prefill node's (it computes its prompt, and its blocks stay held
-after it finishes until the decode node has read them); one with :func:`decode_params` is a
-decode node's (its prompt's KV is read from a remote prefill node, asynchronously, into the
+after it finishes until the decode node has them); one with :func:`decode_params` is a
+decode node's (its prompt's KV comes from a remote prefill node, asynchronously, into the
 blocks the scheduler allocates for it). The connector's scheduler side is vLLM's, unchanged;
-its worker side is :class:`FakeNixlWorker`: a read started by a step's metadata completes in
-that step, and a finished prefill's blocks are read ``read_delay`` steps after the step that
-hands them over. No NIXL library, network or GPU is involved."""
+its worker side is :class:`FakeNixlWorker`. In pull mode the decode node reads: a read
+started by a step's metadata completes in that step, and a finished prefill's blocks are
+read ``read_delay`` steps after the step that hands them over. In push mode the prefill node
+writes: a decode request's registration (its local blocks, sent to the prefill node)
+is answered by a write that completes ``write_delay`` steps later, and a finished prefill's
+blocks are written to their decode node ``read_delay`` steps after the hand-over. No NIXL
+library, network or GPU is involved."""
 
 from __future__ import annotations
 
@@ -29,12 +33,21 @@ ENGINE_ID = "kvblocks-driver"
 REMOTE_ENGINE_ID = "kvblocks-driver-prefill"
 
 
-def kv_transfer_config() -> KVTransferConfig:
-    """NIXL's connector in both roles, as ``--kv-transfer-config`` sets it."""
+#: vLLM's connector name for each of NIXL's transfer modes (``NixlConnector`` is the pull one).
+CONNECTOR_NAMES = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+
+
+def kv_transfer_config(transfer_mode: str = "pull") -> KVTransferConfig:
+    """NIXL's connector in both roles, as ``--kv-transfer-config`` sets it, in pull or push
+    mode."""
+    if transfer_mode not in CONNECTOR_NAMES:
+        raise ValueError(f"NIXL's transfer mode is 'pull' or 'push', not {transfer_mode!r}")
     select_cpu_platform()
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", engine_id=ENGINE_ID)
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAMES[transfer_mode], kv_role="kv_both", engine_id=ENGINE_ID
+    )
 
 
 def prefill_params() -> dict[str, Any]:
@@ -44,7 +57,8 @@ def prefill_params() -> dict[str, Any]:
 
 def decode_params(request_id: str, num_remote_blocks: int) -> dict[str, Any]:
     """A decode node's request, as the prefill node's ``request_finished`` returned it: its
-    prompt's KV is on the remote prefill node (``num_remote_blocks`` blocks)."""
+    prompt's KV is on the remote prefill node (``num_remote_blocks`` blocks; push mode's
+    decode side does not read them: the prefill node learns the decode node's blocks)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -58,15 +72,20 @@ def decode_params(request_id: str, num_remote_blocks: int) -> dict[str, Any]:
 
 
 class FakeNixlWorker:
-    """NIXL's worker side, faked: every read a step's metadata starts for a request the
-    scheduler parked (``awaiting_kvs``) completes in that step (``finished_recving``), and
-    every finished prefill's blocks handed over in a step (``reqs_to_send``) are read by the
-    decode node ``read_delay`` steps later (``finished_sending``); an aborted one
-    (``reqs_not_processed``) is not."""
+    """NIXL's worker side, faked. Pull mode: every read a step's metadata starts for a
+    request the scheduler parked (``awaiting_kvs``) completes in that step
+    (``finished_recving``). Push mode: the prefill node's write answering a decode request's
+    registration (``push_registrations``) completes ``write_delay`` steps later
+    (``finished_recving``, also for a request aborted meanwhile, whose blocks the scheduler
+    holds until then). Both: every finished prefill's blocks handed over in a step
+    (``reqs_to_send``) reach the decode node ``read_delay`` steps later
+    (``finished_sending``); an aborted one (``reqs_not_processed``) does not."""
 
-    def __init__(self, read_delay: int = 2) -> None:
+    def __init__(self, read_delay: int = 2, write_delay: int = 2) -> None:
         self.read_delay = read_delay
+        self.write_delay = write_delay
         self._sending: dict[str, int] = {}
+        self._writing: dict[str, int] = {}
 
     def step(self, out: SchedulerOutput) -> KVConnectorOutput:
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
@@ -77,24 +96,35 @@ class FakeNixlWorker:
         metadata = out.kv_connector_metadata
         assert isinstance(metadata, NixlConnectorMetadata)
         recving = {r for r, meta in metadata.reqs_to_recv.items() if meta.awaiting_kvs}
+        for request_id in metadata.push_registrations:
+            self._writing.setdefault(request_id, self.write_delay)
         for request_id in metadata.reqs_to_send:
             self._sending.setdefault(request_id, self.read_delay)
         for request_id in metadata.reqs_not_processed:
             self._sending.pop(request_id, None)
-        sent = set()
-        for request_id in list(self._sending):
-            self._sending[request_id] -= 1
-            if self._sending[request_id] <= 0:
-                del self._sending[request_id]
-                sent.add(request_id)
+        recving |= _count_down(self._writing)
+        sent = _count_down(self._sending)
         return KVConnectorOutput(finished_sending=sent or None, finished_recving=recving or None)
+
+
+def _count_down(pending: dict[str, int]) -> set[str]:
+    """One step passes for each pending transfer; the ones it completes (removed)."""
+    done = set()
+    for request_id in list(pending):
+        pending[request_id] -= 1
+        if pending[request_id] <= 0:
+            del pending[request_id]
+            done.add(request_id)
+    return done
 
 
 def connector_decisions(out: SchedulerOutput) -> tuple[list[Any], list[Any], list[Any]]:
     """What a step's NIXL metadata decided, as plain values: the reads it starts (request id,
     the local blocks per group that receive the remote KV, the locally cached blocks per
     group, whether the request waits for them), the finished prefills whose blocks are
-    handed over, and the requests prefilled in the batch and those that will not be sent."""
+    handed over, and the requests prefilled in the batch, those that will not be sent, and
+    push mode's registrations (decode requests' local blocks per group) and finished
+    prefills' blocks per group."""
     metadata = out.kv_connector_metadata
     recv = sorted(
         (
@@ -106,5 +136,16 @@ def connector_decisions(out: SchedulerOutput) -> tuple[list[Any], list[Any], lis
         for request_id, meta in metadata.reqs_to_recv.items()
     )
     send = sorted(metadata.reqs_to_send)
-    other = [sorted(metadata.reqs_in_batch), sorted(metadata.reqs_not_processed)]
+    other = [
+        sorted(metadata.reqs_in_batch),
+        sorted(metadata.reqs_not_processed),
+        sorted(
+            (request_id, [list(group) for group in registration["local_block_ids"]])
+            for request_id, registration in metadata.push_registrations.items()
+        ),
+        sorted(
+            (request_id, [list(group) for group in blocks])
+            for request_id, blocks in metadata.push_finished_blocks.items()
+        ),
+    ]
     return recv, send, other

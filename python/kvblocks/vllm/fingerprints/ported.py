@@ -171,11 +171,13 @@ PORTED: dict[str, tuple[Source, ...]] = {
         # The request fields the manager reads, and the statuses it admits.
         Source(_REQUEST, objects=("Request.__init__", "Request.num_tokens", "RequestStatus")),
         # The KV connectors kvblocks' manager serves, the OffloadingConnector and NIXL's pull
-        # connector: what they read of the manager (the block pool at binding, each block of
-        # a request's table at admission, the unhashed blocks, the ids of finished requests).
+        # and push connectors: what they read of the manager (the block pool at binding, each
+        # block of a request's table at admission, the unhashed blocks, the ids of finished
+        # requests).
         Source("vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py"),
+        Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py"),
         Source(
             "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
