@@ -287,6 +287,23 @@ def test_unhashed_blocks_as_kv_connectors_read_them() -> None:
     assert one.get_blocks("x", True).get_unhashed_block_ids() == one.get_block_ids("x")[0][1:]
 
 
+def test_request_ids_are_the_requests_holding_blocks() -> None:
+    """``request_ids`` (what ``req_to_blocks`` views list): every request ``get_blocks``
+    answers for, sorted, and none once freed or popped for a deferred free."""
+    c = core(16, 4)
+    assert c.request_ids() == []
+    assert len(c) == 0
+    for rid, n in (("b", 6), ("a", 9), ("c", 3)):
+        admit(c, rid, [h(n)], n)
+    assert c.request_ids() == ["a", "b", "c"]
+    assert len(c) == 3
+    assert all(any(c.get_block_ids(rid)) for rid in c.request_ids())
+    c.free("b")
+    c.pop_blocks_for_free("c")
+    assert c.request_ids() == ["a"]
+    assert not any(c.get_block_ids("b"))
+
+
 def test_evict_blocks_and_record_blocks_for_zeroing() -> None:
     c = core(16, 4, needs_kv_cache_zeroing=True)
     ids = admit(c, "a", [h(1), h(2)], 10)[0]

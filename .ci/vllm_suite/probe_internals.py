@@ -1,15 +1,16 @@
 """An investigation aid for expected_failures.txt, not part of the tier's verdict.
 
 Most listed tests fail with kvblocks only because they read vLLM's manager internals
-(``block_pool``, ``req_to_blocks``) or attach vLLM components that do. Loaded with
+(``block_pool``, ``num_cached_block``) or attach vLLM components that do. Loaded with
 ``-p probe_internals`` (``run.py --probe``), this plugin lets those tests run on kvblocks'
 manager to see whether their *decisions* agree:
 
 - kvblocks' manager gets read-only stand-ins computed from kvblocks' own pool:
   ``block_pool.get_num_free_blocks()``, ``block_pool.free_block_queue.num_free_blocks``,
-  ``block_pool.num_gpu_blocks``, and ``len()`` of ``req_to_blocks`` / ``num_cached_block``
-  (the number of requests holding blocks). ``block_pool.blocks`` is empty: ref counts are not
-  exposed, and "every block free" is already the free-block count;
+  ``block_pool.num_gpu_blocks``, and ``len()`` of ``num_cached_block`` (the number of
+  requests holding blocks; ``req_to_blocks`` is kvblocks' own read-only view).
+  ``block_pool.blocks`` is empty: ref counts are not exposed, and "every block free" is
+  already the free-block count;
 - ``test_scheduler_reset_prefix_cache`` gets a stub aux-output connector (vLLM's reads the
   block pool) that caps nothing and records nothing.
 
@@ -86,8 +87,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if isinstance(manager, KVCacheManager):
             setattr(manager, "block_pool", _PoolView(manager._core))  # noqa: B010
             group = manager.coordinator.single_type_managers[0]
-            for name in ("req_to_blocks", "num_cached_block"):
-                setattr(group, name, _RequestCount(manager._core))
+            setattr(group, "num_cached_block", _RequestCount(manager._core))  # noqa: B010
 
     scheduler_module.Scheduler.__init__ = __init__
 

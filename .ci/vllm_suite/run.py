@@ -63,6 +63,11 @@ TEST_FILES = (
     "tests/v1/core/test_kv_cache_utils.py",
     "tests/v1/core/test_mamba_align_chunk_split.py",
     "tests/v1/core/test_contiguous_kv_packing.py",
+    # vLLM's CPU offloading (the OffloadingConnector) driven through the scheduler with a
+    # fake worker side, and its KV events; NIXL's push-mode scheduler (its blocks are mocks).
+    "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py",
+    "tests/v1/kv_connector/unit/offloading_connector/test_events.py",
+    "tests/v1/kv_connector/unit/test_nixl_push_connector.py",
 )
 MODES = ("off", "all")
 

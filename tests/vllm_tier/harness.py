@@ -31,7 +31,7 @@ from kvblocks.vllm.bench_driver import (
     make_request,
     make_scheduler,
 )
-from tests.vllm_tier.simulation import IMPLS, implementation, run
+from tests.vllm_tier.simulation import IMPLS, Action, implementation, run
 
 Hasher = Callable[[Request], list[bytes]]
 T = TypeVar("T")
@@ -58,6 +58,9 @@ class Script:
     #: Speculative decoding: the fake drafter's seed and how often its guesses are right.
     draft_seed: int = 0
     draft_accuracy: float = 0.75
+    #: Calls on the scheduler before a step's ``schedule()``, by step; their results are in
+    #: the step's record (``simulation.run``).
+    actions: dict[int, list[Action]] = field(default_factory=dict)
 
 
 def on_each_manager(
@@ -136,6 +139,7 @@ def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
         resets=script.resets,
         max_steps=5_000,
         drafter=drafter,
+        actions=script.actions,
     )
 
 
@@ -154,6 +158,23 @@ def assert_same(stock: list[Any], ours: list[Any]) -> None:
     assert len(ours) == len(stock)
     for step, (a, b) in enumerate(zip(stock, ours, strict=True)):
         assert b == a, f"step {step} differs"
+
+
+def group_tables(scheduler: Any) -> list[list[tuple[str, list[tuple[int, bool, bool]]]]]:
+    """What each group manager's ``req_to_blocks`` holds, as plain values: per group, per
+    request holding blocks, each block's id, whether it is the null block and whether it
+    is registered in the prefix cache (has a hash). Empty entries are left out: vLLM's
+    ``req_to_blocks`` is a ``defaultdict`` that keeps one for each request a Mamba group only
+    looked up; kvblocks' view lists the requests holding blocks."""
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    return [
+        sorted(
+            (rid, [(b.block_id, b.is_null, b.block_hash is not None) for b in blocks])
+            for rid, blocks in manager.req_to_blocks.items()
+            if blocks
+        )
+        for manager in managers
+    ]
 
 
 def events_spec(num_blocks: int, max_num_batched_tokens: int = 32, **kw: Any) -> SchedulerSpec:

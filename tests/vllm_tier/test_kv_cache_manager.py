@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from kvblocks.vllm import _state
 from kvblocks.vllm.bench_driver import SchedulerSpec, make_request
@@ -194,3 +195,29 @@ def test_zmq_event_stream_is_identical(model_dir: Path) -> None:
     flat = [event for batch in stock for event in batch]
     assert {event[0] for event in flat} >= {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
     assert ours == stock
+
+
+def test_req_to_blocks_reads_like_vllms_defaultdict(model_dir: Path) -> None:
+    """A group manager's ``req_to_blocks`` on both managers, read directly: a request holding
+    blocks is a member, with the same blocks, until it is freed; then, as any id holding
+    none, it reads as no blocks (vLLM's is a ``defaultdict``; reading there also adds an
+    empty entry, which kvblocks' view does not, so that read comes last)."""
+    spec = SchedulerSpec(block_size=4, num_blocks=40, layout=[("full", 0), ("sliding_window", 8)])
+
+    def play(scheduler: Scheduler, hasher: Hasher) -> list[Any]:
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        views = [m.req_to_blocks for m in managers]
+        seen: list[Any] = [[("a" in v, len(v), sorted(v)) for v in views]]
+        scheduler.add_request(make_request("a", list(range(30)), hasher, max_tokens=2))
+        scheduler.schedule()
+        seen.append([(sorted(v), "a" in v, [b.block_id for b in v["a"]]) for v in views])
+        scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+        seen.append([("a" in v, len(v), sorted(v)) for v in views])
+        seen.append([(list(v["a"]), list(v["never"])) for v in views])
+        return seen
+
+    stock, ours = on_each_manager(model_dir, spec, play)
+    assert ours == stock
+    assert stock[0] == stock[2] == [(False, 0, [])] * 2
+    assert all(held and ids for _, held, ids in stock[1])
+    assert stock[3] == [([], [])] * 2

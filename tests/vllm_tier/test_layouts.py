@@ -21,6 +21,7 @@ from tests.vllm_tier.harness import (
     both,
     draw_aborts_and_resets,
     featured_script,
+    group_tables,
     shared_prefix_script,
     soak_script,
 )
@@ -153,3 +154,22 @@ def scripts(draw: st.DrawFn) -> Script:
 def test_random_scripts(model_dir: Path, script: Script) -> None:
     stock, ours = both(model_dir, script)
     assert_same(stock, ours)
+
+
+@pytest.mark.parametrize("layout", ["gpt-oss", "llama4", "mla"])
+def test_req_to_blocks_reads_as_vllms(model_dir: Path, layout: str) -> None:
+    """Each group manager's ``req_to_blocks`` (which vLLM's connector tests and tools read,
+    the scheduler never) reads the same on kvblocks' manager (a view made when read) as on
+    vLLM's at every step: the same requests, blocks, null blocks and registered blocks."""
+    script = shared_prefix_script(spec_for(layout), 20, seed=4, prefix_lens=(1, 90))
+    script.aborts = [(5, 2), (9, 7)]
+    script.actions = {step: [group_tables] for step in range(60)}
+    stock, ours = both(model_dir, script)
+    assert_same(stock, ours)
+    tables = [table for record in stock[:-1] for result in record[5] for table in result]
+    assert any(rows for rows in tables), "requests held blocks"
+    blocks = [b for rows in tables for _, held in rows for b in held]
+    assert any(registered for _, _, registered in blocks), "registered blocks"
+    assert any(not registered for _, _, registered in blocks), "blocks not yet registered"
+    if layout != "mla":  # blocks out of the window or chunk are the null block
+        assert any(is_null for _, is_null, _ in blocks)

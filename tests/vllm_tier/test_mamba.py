@@ -30,6 +30,7 @@ from tests.vllm_tier.harness import (
     both,
     draw_aborts_and_resets,
     featured_script,
+    group_tables,
     shared_prefix_script,
     soak_script,
 )
@@ -394,3 +395,20 @@ def scripts(draw: st.DrawFn) -> Script:
 def test_random_scripts(model_dir: Path, script: Script) -> None:
     stock, ours = both(model_dir, script)
     assert_same(stock, ours)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_req_to_blocks_reads_as_vllms(model_dir: Path, caching: bool) -> None:
+    """Each group manager's ``req_to_blocks`` reads the same on both managers at every step,
+    Mamba groups included (with prefix caching: their tables indexed by position, null
+    blocks before the running state)."""
+    spec = align_spec("qwen3.5") if caching else spec_for("qwen3.5")
+    script = shared_prefix_script(spec, 16, seed=5, prefix_lens=(8, 60))
+    script.aborts = [(4, 1)]
+    script.actions = {step: [group_tables] for step in range(60)}
+    stock, ours = both(model_dir, script)
+    assert_same(stock, ours)
+    tables = [table for record in stock[:-1] for result in record[5] for table in result]
+    mamba = [b for rows in tables[1::4] for _, held in rows for b in held]
+    assert mamba, "Mamba groups' blocks"
+    assert any(is_null for _, is_null, _ in mamba) == caching

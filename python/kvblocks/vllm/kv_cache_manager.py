@@ -21,6 +21,7 @@ vLLM's KV-event publisher and metrics work unchanged.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from vllm.distributed.kv_events import (
@@ -51,20 +52,50 @@ from kvblocks.vllm import _state
 from kvblocks.vllm.support import Unsupported, spec_kind, unsupported_manager_arguments
 
 
-class _GroupManager:
-    """The part of vLLM's single-type manager that the scheduler and EngineCore read."""
+class _RequestBlocks(Mapping[str, tuple[Any, ...]]):
+    """vLLM's ``req_to_blocks`` of one group, read-only and made when read (the scheduler
+    never reads it; connectors' tests and tools do): request id -> the request's blocks in
+    this group, each a ``KVCacheBlockView`` (``block_id``, ``is_null``, ``block_hash``), for
+    every request holding blocks. As vLLM's (a ``defaultdict``), any other id reads as no
+    blocks; unlike vLLM's, reading one adds no entry (vLLM's holds an empty entry for each
+    request it only looked up)."""
 
-    def __init__(self, kv_cache_spec: Any, group_id: int) -> None:
+    def __init__(self, core: KVCacheCore, group_id: int) -> None:
+        self._core = core
+        self._group_id = group_id
+
+    def __getitem__(self, request_id: str) -> tuple[Any, ...]:
+        blocks: tuple[Any, ...] = self._core.get_blocks(request_id, True).blocks[self._group_id]
+        return blocks
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._core.request_ids()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._core.request_ids())
+
+    def __len__(self) -> int:
+        return len(self._core)
+
+
+class _GroupManager:
+    """The part of vLLM's single-type manager that the scheduler and EngineCore read, and
+    its ``req_to_blocks`` (a read-only view)."""
+
+    def __init__(self, kv_cache_spec: Any, group_id: int, core: KVCacheCore) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size: int = kv_cache_spec.block_size
         self.kv_cache_group_id = group_id
+        self.req_to_blocks = _RequestBlocks(core, group_id)
 
 
 class _Coordinator:
     """The part of vLLM's coordinator that the scheduler and EngineCore read."""
 
     def __init__(self, specs: list[Any], eagle_group_ids: set[int], core: KVCacheCore) -> None:
-        self.single_type_managers = tuple(_GroupManager(s, i) for i, s in enumerate(specs))
+        self.single_type_managers = tuple(
+            _GroupManager(s, i, core) for i, s in enumerate(specs)
+        )
         self.enable_partial_hash_hits = False
         self.eagle_group_ids = eagle_group_ids
         self._core = core

@@ -480,6 +480,13 @@ impl PyKvCacheCore {
         Ok(self.lock()?.num_requests())
     }
 
+    /// The ids of the requests holding blocks (those ``get_blocks`` answers), sorted.
+    fn request_ids(&self) -> PyResult<Vec<String>> {
+        let mut ids: Vec<String> = self.lock()?.request_ids().map(str::to_owned).collect();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
     /// vLLM's `find_longest_cache_hit`: `(blocks, num_tokens, num_uncached_common_tokens)`,
     /// the cached prefix (at most `max_length` tokens) every group can serve (the shared
     /// empty result when there is none).

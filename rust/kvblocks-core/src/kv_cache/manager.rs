@@ -56,6 +56,11 @@ impl KvCacheManager {
         self.requests.len()
     }
 
+    /// The ids of the requests holding blocks, in no particular order.
+    pub fn request_ids(&self) -> impl Iterator<Item = &str> {
+        self.requests.keys().map(String::as_str)
+    }
+
     /// vLLM's `get_computed_blocks` search (see [`KvCacheEngine::find_longest_cache_hit`]).
     pub fn lookup(
         &self,
