@@ -14,7 +14,11 @@ layer and three Mamba (linear-attention) layers of the same page size, four grou
 vLLM runs such a model without prefix caching (Mamba blocks of ``max_model_len`` tokens, the
 attention blocks to zero in every scheduler output), or (layout ``qwen3.5-align``) with it
 (vLLM's "align" mode: Mamba blocks of the attention block size, prefill checkpoints as
-Qwen3.5's gated delta-net layers export them).
+Qwen3.5's gated delta-net layers export them). The ``llama-offloading`` run adds vLLM's CPU
+offloading (``--kv-offloading-size``); ``llama-nixl`` and ``llama-nixl-push`` add NIXL's
+connector in pull and push mode (one engine in both roles: a third of the requests are a
+prefill node's, a third a decode node's whose prompt KV a fake remote node provides), the
+worker side faked by the bench driver's (``kvblocks.vllm.bench_driver.nixl``).
 
 With speculative decoding (``KVBLOCKS_TEST_SPECULATION``: ``ngram``, or ``eagle`` with a tiny
 offline draft config and vLLM's default lookahead block hashes) the fake executor does what
@@ -86,7 +90,16 @@ POOL = {
     "qwen3.5": NUM_BLOCKS + 24,
     "qwen3.5-align": NUM_BLOCKS + 24,
     "llama-offloading": NUM_BLOCKS,
+    "llama-nixl": NUM_BLOCKS,
+    "llama-nixl-push": NUM_BLOCKS,
 }
+#: NIXL's transfer mode of each NIXL layout.
+NIXL = {"llama-nixl": "pull", "llama-nixl-push": "push"}
+#: NIXL's side-channel port per run (the "off" and "all" processes run at the same time, and
+#: each engine's connector listens on its port; the port is in the kv_transfer_params a
+#: finished prefill returns, recorded as PORT).
+NIXL_PORTS = {"off": "5611", "all": "5612"}
+PORT = "<side-channel port>"
 #: ``--kv-offloading-size`` of the ``llama-offloading`` run, in GiB: about 60 blocks of the
 #: one layer (8 KiB each) on the CPU.
 KV_OFFLOADING_GIB = 0.0005
@@ -301,12 +314,21 @@ def snapshot(out: SchedulerOutput) -> dict[str, Any]:
 
 
 def connector_jobs(out: SchedulerOutput) -> Any:
-    """The OffloadingConnector's load, store and flush jobs of the step (JSON values)."""
+    """The KV connector's decisions of the step (JSON values): the OffloadingConnector's load,
+    store and flush jobs, or NIXL's transfers, hand-overs and registrations."""
     if out.kv_connector_metadata is None:
         return None
-    from kvblocks.vllm.bench_driver.offloading import connector_decisions
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
 
-    return json.loads(json.dumps(connector_decisions(out), default=lambda v: v.hex()))
+    from kvblocks.vllm.bench_driver import nixl, offloading
+
+    if isinstance(out.kv_connector_metadata, NixlConnectorMetadata):
+        decisions = nixl.connector_decisions(out)
+    else:
+        decisions = offloading.connector_decisions(out)
+    return json.loads(json.dumps(decisions, default=lambda v: v.hex()))
 
 
 def as_dict(value: Any) -> dict[str, Any] | None:
@@ -324,6 +346,31 @@ def workload(seed: int = 3) -> list[tuple[int, str, list[int], int]]:
         ]
         requests.append((rng.randrange(0, 12), f"req-{i}", prompt, rng.randrange(4, 48)))
     return sorted(requests, key=lambda r: r[0])
+
+
+def nixl_role(request_id: str) -> int:
+    """In the NIXL runs, 0: a prefill node's request, 1: a decode node's, 2: a plain one."""
+    return int(request_id.rsplit("-", 1)[1]) % 3
+
+
+def nixl_params(request_id: str, prompt: list[int]) -> dict[str, Any] | None:
+    """NIXL's kv_transfer_params of a request in the NIXL runs (:func:`nixl_role`)."""
+    from kvblocks.vllm.bench_driver import nixl
+
+    role = nixl_role(request_id)
+    if role == 0:
+        return nixl.prefill_params()
+    if role == 1:
+        return nixl.decode_params(request_id, -(-len(prompt) // BLOCK_SIZE))
+    return None
+
+
+def recorded_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A finished request's kv_transfer_params as recorded (the port is the run's own)."""
+    if params is None:
+        return None
+    assert params.get("remote_port") == int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "0"))
+    return {**params, "remote_port": PORT}
 
 
 def drive_engine(model_dir: Path) -> dict[str, Any]:
@@ -365,6 +412,10 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
 
         extra = {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
         transfer = KVTransferConfig(kv_connector_extra_config=extra)
+    elif layout in NIXL:
+        from kvblocks.vllm.bench_driver import nixl
+
+        transfer = nixl.kv_transfer_config(NIXL[layout])
     vllm_config = VllmConfig(
         model_config=model_config,
         kv_transfer_config=transfer,
@@ -388,7 +439,7 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
             # What vLLM's config sets for a model with Mamba layers and prefix caching.
             mamba_cache_mode="align" if layout == "qwen3.5-align" else "none",
             num_gpu_blocks_override=POOL[layout],
-            kv_offloading_size=KV_OFFLOADING_GIB if transfer is not None else None,
+            kv_offloading_size=KV_OFFLOADING_GIB if layout == "llama-offloading" else None,
         ),
     )
     engine = EngineCore(vllm_config, executor_class=FakeExecutor, log_stats=True)
@@ -396,7 +447,11 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     assert isinstance(executor, FakeExecutor)
     scheduler = engine.scheduler
     assert isinstance(scheduler, Scheduler)
-    if transfer is not None:
+    if layout in NIXL:
+        from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
+
+        executor.connector_worker = FakeNixlWorker()
+    elif transfer is not None:
         from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
 
         executor.connector_worker = ConnectorWorker(scheduler)
@@ -413,7 +468,11 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     for step in range(2000):
         while pending and pending[0][0] <= step:
             _, request_id, prompt, max_tokens = pending.pop(0)
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            transfer_params = nixl_params(request_id, prompt) if layout in NIXL else None
+            if transfer_params is not None and transfer_params["do_remote_decode"]:
+                max_tokens = 1  # a prefill node's request, as a router sends it
+            extra_args = {"kv_transfer_params": transfer_params} if transfer_params else None
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args)
             core_request = input_processor.process_inputs(
                 request_id,
                 tokens_input(prompt),
@@ -441,6 +500,7 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
                         "stop_reason": o.stop_reason,
                         "prefill_stats": prefill,
                         "spec_decode_metrics": as_dict(o.spec_decode_metrics),
+                        "kv_transfer_params": recorded_params(o.kv_transfer_params),
                     }
                 )
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -506,6 +566,7 @@ def run_engine(
         PYTHONHASHSEED="0",  # one NONE_HASH for both runs: their block hashes compare
         KVBLOCKS_TEST_LAYOUT=layout,
         KVBLOCKS_TEST_SPECULATION=speculation,
+        VLLM_NIXL_SIDE_CHANNEL_PORT=NIXL_PORTS[mode],
     )
     model_dir = tmp_path / mode
     model_dir.mkdir()
@@ -588,6 +649,8 @@ def engine_results(processes: dict[str, subprocess.Popen[str]], tmp_path: Path) 
         pytest.param("qwen3.5", "", id="qwen3.5"),
         pytest.param("qwen3.5-align", "", id="qwen3.5-prefix-caching"),
         pytest.param("llama-offloading", "", id="llama-kv-offloading"),
+        pytest.param("llama-nixl", "", id="llama-nixl"),
+        pytest.param("llama-nixl-push", "", id="llama-nixl-push"),
     ],
 )
 def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculation: str) -> None:
@@ -627,7 +690,11 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
             "gpt-oss": "2 groups (full_attention, sliding_window), ",
             "qwen3.5-align": "4 groups (full_attention, mamba, mamba, mamba), ",
         }.get(layout, "")
-        connector = ", OffloadingConnector" if offloading else ""
+        connector = {
+            "llama-offloading": ", OffloadingConnector",
+            "llama-nixl": ", NixlConnector",
+            "llama-nixl-push": ", NixlPushConnector",
+        }.get(layout, "")
         described = f"{groups}16-token blocks, prefix caching on{connector}"
         assert f"kv_cache_manager on {described}" in on["status"]
         lookahead = SPECULATION_SETUP[speculation]["hash_lookahead"]
@@ -653,15 +720,32 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
     assert groups_per_step == {num_groups}
     assert len(stock["tokens"]) == 20
     assert set(stock["finish_reasons"].values()) == {"length"}
-    assert any(step["preempted"] for step in stock["scheduler_outputs"])
+    # (NIXL's prefill requests sample one token and its decode requests none of their
+    # prompt, so that run's pool does not fill; test_nixl.py preempts with NIXL.)
+    preempted = any(step["preempted"] for step in stock["scheduler_outputs"])
+    assert preempted == (layout not in NIXL)
     jobs = [step["connector_jobs"] for step in stock["scheduler_outputs"]]
+    handed = [o["kv_transfer_params"] for step in stock["engine_outputs"] for o in step]
     if offloading:  # blocks went to the CPU tier, and some came back
         assert all(j is not None for j in jobs)
         assert any(stores for _loads, stores, _flushed in jobs)
         assert any(loads for loads, _stores, _flushed in jobs)
+    elif layout in NIXL:  # remote KV arrived for decode requests; prefills handed theirs on
+        assert all(j is not None for j in jobs)
+        transfers = [t for recv, _send, _other in jobs for t in recv]
+        assert any(any(blocks) for _rid, blocks, _cached, _awaiting in transfers)
+        assert any(send for _recv, send, _other in jobs)
+        finished = [p for p in handed if p is not None]
+        assert {p["transfer_mode"] for p in finished} == {NIXL[layout]}
+        assert any(p["remote_block_ids"] for p in finished)
+        if NIXL[layout] == "push":
+            assert any(other[2] for _recv, _send, other in jobs), "registrations"
     else:
         assert not any(jobs)
+        assert not any(handed)
     max_tokens = {request_id: n for _, request_id, _, n in workload()}
+    if layout in NIXL:  # a prefill node's requests (every third) sample one token
+        max_tokens.update({r: 1 for r in max_tokens if nixl_role(r) == 0})
     for request_id, tokens in stock["tokens"].items():  # drafts never change what is sampled
         assert tokens == [sampled_token(request_id, i) for i in range(max_tokens[request_id])]
     if speculation:
