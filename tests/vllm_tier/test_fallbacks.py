@@ -193,6 +193,46 @@ def test_the_fallback_names_the_connector(
     assert f"(kv_transfer_config) ({named})" in str(kvblocks.vllm.status())
 
 
+def multi(*children: dict[str, Any] | str) -> SimpleNamespace:
+    """A MultiConnector's kv_transfer_config of these children (a name: no module path)."""
+    connectors = [{"kv_connector": c} if isinstance(c, str) else c for c in children]
+    return SimpleNamespace(
+        kv_connector="MultiConnector",
+        kv_connector_module_path=None,
+        kv_connector_extra_config={"connectors": connectors},
+    )
+
+
+@pytest.mark.parametrize(
+    ("transfer", "named"),
+    [
+        (multi("NixlConnector", "LMCacheConnectorV1"), "NixlConnector, LMCacheConnectorV1"),
+        (
+            multi({"kv_connector": "OffloadingConnector", "kv_connector_module_path": "my.c"}),
+            "OffloadingConnector from my.c",
+        ),
+        (multi(), None),
+    ],
+    ids=["a child kvblocks does not serve", "a child from a module path", "no children"],
+)
+def test_a_multi_connector_falls_back_unless_kvblocks_serves_every_child(
+    model_dir: Path, transfer: SimpleNamespace, named: str | None
+) -> None:
+    """vLLM's MultiConnector runs on kvblocks' manager only when every child is a connector
+    kvblocks serves (tests/vllm_tier/test_nixl.py runs NIXL with CPU offloading); else it
+    falls back, and the line names the children."""
+    assert fell_back(decide(model_dir, setter("kv_transfer_config", transfer)), "kv_connector")
+    expected = f"MultiConnector of {named}" if named else "MultiConnector)"
+    assert expected in str(kvblocks.vllm.status())
+
+
+def test_a_multi_connector_of_served_connectors_is_served(model_dir: Path) -> None:
+    transfer = multi("NixlPushConnector", "OffloadingConnector")
+    manager = decide(model_dir, setter("kv_transfer_config", transfer))
+    assert isinstance(manager, KVCacheManager)
+    assert not _state.fallbacks
+
+
 def test_aux_output_falls_back(model_dir: Path) -> None:
     aux = setter("aux_output_config", SimpleNamespace(enabled=True))
     assert fell_back(decide(model_dir, aux), "aux_output")

@@ -36,6 +36,9 @@ from tests.vllm_tier.harness import (
 PREEMPTED, RECV, SEND, OTHER = 5, 9, 10, 11
 #: NIXL's transfer modes (``SchedulerSpec.nixl_transfer_mode``).
 MODES = ["pull", "push"]
+#: With vLLM's MultiConnector of NIXL and CPU offloading, the OffloadingConnector's load and
+#: store jobs follow NIXL's three fields.
+LOADS, STORES = 12, 13
 
 LAYOUTS: dict[str, Any] = {
     "llama": "llama",
@@ -190,6 +193,7 @@ def test_aborts_and_resets(model_dir: Path, mode: str) -> None:
 @st.composite
 def scripts(draw: st.DrawFn) -> Script:
     layout = draw(st.sampled_from(list(LAYOUTS)))
+    caching_off = layout.endswith("prefix caching off")
     spec = spec_for(
         layout,
         draw(st.sampled_from(MODES)),
@@ -199,6 +203,9 @@ def scripts(draw: st.DrawFn) -> Script:
         max_num_seqs=draw(st.sampled_from([2, 4, 16])),
         max_num_batched_tokens=draw(st.sampled_from([16, 48])),
         async_scheduling=draw(st.booleans()),
+        # with CPU offloading too: vLLM's MultiConnector of NIXL and the OffloadingConnector
+        # (which needs prefix caching with Mamba groups: vLLM refuses the layout without it)
+        kv_offloading=0 if caching_off else draw(st.sampled_from([0, 0, 16, 64])),
     )
     n = draw(st.integers(1, 12))
     script = disaggregated_script(spec, n, seed=draw(st.integers(0, 1000)))
@@ -211,3 +218,40 @@ def scripts(draw: st.DrawFn) -> Script:
 def test_random_scripts(model_dir: Path, script: Script) -> None:
     stock, ours = both(model_dir, script)
     assert_same(stock, ours)
+
+
+def two_waves(spec: SchedulerSpec, seed: int) -> Script:
+    """:func:`disaggregated_script`, then the same prompts again once the engine is idle and
+    its prefix cache reset, so that their blocks come back from the CPU tier."""
+    script = disaggregated_script(spec, 18, seed=seed)
+    again = [
+        RequestSpec(r.prompt, r.max_tokens, r.step + 150, sampling=r.sampling)
+        for r in script.requests
+    ]
+    script.requests += again
+    script.resets = [149]
+    return script
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["llama", "gpt-oss"])
+def test_nixl_with_cpu_offloading(
+    model_dir: Path, layout: str, mode: str, async_scheduling: bool
+) -> None:
+    """vLLM's MultiConnector of NIXL and the OffloadingConnector (disaggregated prefill with
+    CPU offloading): NIXL's transfers and the offloading jobs (stores, then loads from the
+    CPU tier after a reset) compared step by step, on kvblocks' manager."""
+    spec = spec_for(layout, mode, kv_offloading=64, async_scheduling=async_scheduling)
+    kvblocks.vllm.install("all")
+    make_scheduler(model_dir, spec)
+    described = f"MultiConnector of {nixl.CONNECTOR_NAMES[mode]}, OffloadingConnector"
+    assert described in str(kvblocks.vllm.status())
+    # (seeds whose prompts come back from the CPU tier: with a sliding window, fewer do)
+    stock, ours = both(model_dir, two_waves(spec, seed={"llama": 4, "gpt-oss": 6}[layout]))
+    assert_same(stock, ours)
+    records = records_of(stock)
+    assert_decode_requests_got_remote_kv(records, mode)
+    assert any(record[0][SEND] for record in records), "finished prefills handed over"
+    assert any(record[0][STORES] for record in records), "blocks stored to the CPU tier"
+    assert any(record[0][LOADS] for record in records), "blocks loaded from the CPU tier"
+    assert any(record[4] for record in stock[:-1]), "the prefix cache was reset"

@@ -93,9 +93,7 @@ class _Coordinator:
     """The part of vLLM's coordinator that the scheduler and EngineCore read."""
 
     def __init__(self, specs: list[Any], eagle_group_ids: set[int], core: KVCacheCore) -> None:
-        self.single_type_managers = tuple(
-            _GroupManager(s, i, core) for i, s in enumerate(specs)
-        )
+        self.single_type_managers = tuple(_GroupManager(s, i, core) for i, s in enumerate(specs))
         self.enable_partial_hash_hits = False
         self.eagle_group_ids = eagle_group_ids
         self._core = core

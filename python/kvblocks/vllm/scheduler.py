@@ -94,7 +94,7 @@ def _describe(manager: KVCacheManager, vllm_config: Any) -> str:
     caching = "prefix caching on" if manager.enable_caching else "prefix caching off"
     eagle = ", EAGLE block drop" if manager.use_eagle else ""
     transfer = vllm_config.kv_transfer_config
-    connector = f", {transfer.kv_connector}" if transfer is not None else ""
+    connector = f", {connector_name(transfer)}" if transfer is not None else ""
     return f"{groups}{size}-token blocks, {caching}{eagle}{connector}"
 
 

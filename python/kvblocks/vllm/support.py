@@ -20,11 +20,11 @@ option it does not know included, falls back to vLLM's own manager:
 - vLLM's retention interval (passed to ``KVCacheCore`` with prefix caching) where vLLM's own
   coordinator accepts it (its check decides; a refused one is ``vllm_rejects``);
 - vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``) and
-  NIXL's connector in pull or push mode (disaggregated prefill), and none of: another KV
-  connector, an encoder-cache connector, auxiliary outputs, context parallelism, the KV-cache
-  metrics collector, an encoder-decoder model, a custom scheduler class, lookahead hashing of
-  two or more tokens with prefix caching but no full-attention group; one of vLLM's four hash
-  algorithms;
+  NIXL's connector in pull or push mode (disaggregated prefill), alone or in vLLM's
+  MultiConnector, and none of: another KV connector, an encoder-cache connector, auxiliary
+  outputs, context parallelism, the KV-cache metrics collector, an encoder-decoder model, a
+  custom scheduler class, lookahead hashing of two or more tokens with prefix caching but no
+  full-attention group; one of vLLM's four hash algorithms;
 - only the ``KVCacheManager`` arguments vLLM 0.33 passes.
 
 Each function returns ``None`` when supported, else the first :class:`~kvblocks.vllm._state.Reason`.
@@ -237,21 +237,52 @@ CONNECTORS = frozenset(
 )
 
 
+#: vLLM's connector that runs several connectors side by side (``kv_connector_extra_config``
+#: ``{"connectors": [...]}``, each a ``KVTransferConfig`` as a dict): it reads nothing of the
+#: manager itself, and hands its children what the scheduler hands it.
+MULTI_CONNECTOR = "MultiConnector"
+
+
+def _field(transfer: Any, name: str) -> Any:
+    """A ``kv_transfer_config`` field, of the config object or of a child's dict."""
+    return transfer.get(name) if isinstance(transfer, dict) else getattr(transfer, name, None)
+
+
+def _children(transfer: Any) -> list[Any] | None:
+    """A MultiConnector's child configs (dicts), or None where they are not a list."""
+    extra = _field(transfer, "kv_connector_extra_config")
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    return children if isinstance(children, list) else None
+
+
 def connector_name(transfer: Any) -> str | None:
-    """The KV connector a ``kv_transfer_config`` names (with its module path when it has one),
-    for the line that says why kvblocks steps aside; ``None`` without one."""
+    """The KV connector a ``kv_transfer_config`` names (with its module path when it has one;
+    a MultiConnector with its children's), for the line that says why kvblocks steps aside;
+    ``None`` without one."""
     if transfer is None:
         return None
-    name = getattr(transfer, "kv_connector", None) or type(transfer).__name__
-    path = getattr(transfer, "kv_connector_module_path", None)
-    return f"{name} from {path}" if path else str(name)
+    name = _field(transfer, "kv_connector") or type(transfer).__name__
+    path = _field(transfer, "kv_connector_module_path")
+    named = f"{name} from {path}" if path else str(name)
+    children = _children(transfer) if name == MULTI_CONNECTOR and not path else None
+    if children:
+        named += f" of {', '.join(str(connector_name(c)) for c in children)}"
+    return named
 
 
 def _is_served_connector(transfer: Any) -> bool:
     """One of :data:`CONNECTORS` (by name, from vLLM's registry, not a module path of the
-    user's); HiSparse, whose connector reads vLLM's coordinator, is refused apart."""
-    name = getattr(transfer, "kv_connector", None)
-    return name in CONNECTORS and getattr(transfer, "kv_connector_module_path", None) is None
+    user's), or vLLM's MultiConnector of such connectors; HiSparse, whose connector reads
+    vLLM's coordinator, is refused apart."""
+    name = _field(transfer, "kv_connector")
+    if _field(transfer, "kv_connector_module_path") is not None:
+        return False
+    if name == MULTI_CONNECTOR:
+        children = _children(transfer) or []
+        return bool(children) and all(
+            isinstance(c, dict) and _is_served_connector(c) for c in children
+        )
+    return name in CONNECTORS
 
 
 def _is_allowed(scheduler_cls: Any, allowed: tuple[Any, ...]) -> bool:

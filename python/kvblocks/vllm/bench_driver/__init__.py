@@ -22,8 +22,10 @@ model outputs. The scheduler, its KV-cache manager and the request block hasher 
   offloading on;
 - :mod:`~kvblocks.vllm.bench_driver.nixl`: NIXL's connector in both roles, pull or push mode
   (disaggregated prefill and decode, ``SchedulerSpec.nixl``, ``nixl_transfer_mode``) with a
-  fake worker side, and the
-  ``kv_transfer_params`` of prefill and decode requests.
+  fake worker side, and the ``kv_transfer_params`` of prefill and decode requests;
+- :mod:`~kvblocks.vllm.bench_driver.multi`: vLLM's MultiConnector of NIXL and CPU offloading
+  (a spec with both ``nixl`` and ``kv_offloading``), its fake worker side joining theirs
+  (imports vLLM, like the offloading module).
 
 Importing the driver imports nothing of vLLM and changes no environment variable; it fails
 with ModuleNotFoundError where vllm is not installed (``kvblocks bench --engine vllm`` says so).

@@ -161,7 +161,9 @@ class SchedulerSpec:
     #: uses the Mamba block size, Mamba2 layers 1. ``None``: no checkpoints (Mamba1).
     mamba_checkpoint_alignment: int | None = None
     #: vLLM's ``NixlConnector`` in both roles (disaggregated prefill and decode,
-    #: :mod:`~kvblocks.vllm.bench_driver.nixl`); requests say which role theirs is.
+    #: :mod:`~kvblocks.vllm.bench_driver.nixl`); requests say which role theirs is. With
+    #: ``kv_offloading`` too, vLLM's ``MultiConnector`` runs both
+    #: (:mod:`~kvblocks.vllm.bench_driver.multi`).
     nixl: bool = False
     #: NIXL's transfer mode: "pull" (the decode node reads, ``NixlConnector``) or "push" (the
     #: prefill node writes, ``NixlPushConnector``).
@@ -170,8 +172,6 @@ class SchedulerSpec:
     def __post_init__(self) -> None:
         if self.kv_offloading < 0:
             raise ValueError(f"kv_offloading must be >= 0 chunks, not {self.kv_offloading}")
-        if self.kv_offloading and self.nixl:
-            raise ValueError("one KV connector at a time: kv_offloading or nixl")
         if self.nixl_transfer_mode not in ("pull", "push"):
             raise ValueError(
                 f"nixl_transfer_mode is 'pull' or 'push', not {self.nixl_transfer_mode!r}"
@@ -215,11 +215,15 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         # caching caches Mamba states in "align" mode, else none.
         cache_config.mamba_cache_mode = "align" if spec.enable_caching else "none"
     extra = dict(spec.extra)
-    if spec.kv_offloading:
+    if spec.kv_offloading and spec.nixl:
+        from kvblocks.vllm.bench_driver import multi
+
+        extra["kv_transfer_config"] = multi.kv_transfer_config(spec, make_kv_cache_config(spec))
+    elif spec.kv_offloading:
         from kvblocks.vllm.bench_driver.offloading import kv_transfer_config
 
         extra["kv_transfer_config"] = kv_transfer_config(spec, make_kv_cache_config(spec))
-    if spec.nixl:
+    elif spec.nixl:
         from kvblocks.vllm.bench_driver import nixl
 
         extra["kv_transfer_config"] = nixl.kv_transfer_config(spec.nixl_transfer_mode)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvblocks.vllm.bench_driver.drafts import Drafter
+    from kvblocks.vllm.bench_driver.multi import FakeMultiWorker
     from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
     from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
 
@@ -84,7 +85,7 @@ class FakeModel:
     def __init__(self, drafter: Drafter | None = None) -> None:
         self._num_sampled: dict[str, int] = {}
         self.drafter = drafter
-        self.connector_worker: ConnectorWorker | FakeNixlWorker | None = None
+        self.connector_worker: ConnectorWorker | FakeNixlWorker | FakeMultiWorker | None = None
 
     def execute(self, scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         kv_connector_output = None
@@ -124,12 +125,17 @@ class FakeModel:
         return None if self.drafter is None else self.drafter.take_draft_token_ids()
 
 
-def connector_worker(scheduler: Scheduler) -> ConnectorWorker | FakeNixlWorker:
+def connector_worker(scheduler: Scheduler) -> ConnectorWorker | FakeNixlWorker | FakeMultiWorker:
     """The worker side the driver fakes for the scheduler's KV connector: NIXL's, or the
     OffloadingConnector's (:class:`~kvblocks.vllm.bench_driver.offloading.ConnectorWorker`,
     which refuses any other connector)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector
 
+    if isinstance(scheduler.connector, MultiConnector):
+        from kvblocks.vllm.bench_driver.multi import FakeMultiWorker
+
+        return FakeMultiWorker(scheduler)
     if isinstance(scheduler.connector, NixlBaseConnector):
         from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
 
@@ -163,17 +169,26 @@ def model_output(
 def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
     """Everything a scheduler step decides, as plain comparable values; the last three, what
     its KV connector decided (CPU offloading: the load jobs, the store jobs and the job ids
-    it flushes, :func:`~kvblocks.vllm.bench_driver.offloading.connector_decisions`; empty
-    without a connector)."""
+    it flushes, :func:`~kvblocks.vllm.bench_driver.offloading.connector_decisions`; NIXL:
+    :func:`~kvblocks.vllm.bench_driver.nixl.connector_decisions`; empty without a
+    connector), or for a MultiConnector of NIXL and offloading, the last six (NIXL's three,
+    then offloading's)."""
     cached = out.scheduled_cached_reqs
     connector: tuple[Any, ...] = ([], [], [])
     metadata = out.kv_connector_metadata
     if metadata is not None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiKVConnectorMetadata,
+        )
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlConnectorMetadata,
         )
 
-        if isinstance(metadata, NixlConnectorMetadata):
+        if isinstance(metadata, MultiKVConnectorMetadata):
+            from kvblocks.vllm.bench_driver import multi
+
+            connector = multi.connector_decisions(out)
+        elif isinstance(metadata, NixlConnectorMetadata):
             from kvblocks.vllm.bench_driver import nixl
 
             connector = nixl.connector_decisions(out)

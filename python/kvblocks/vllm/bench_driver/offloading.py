@@ -261,13 +261,16 @@ class ConnectorWorker:
     returns the ``KVConnectorOutput`` for the model runner's output; every transfer
     submitted in a step completes in that step."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        if not isinstance(scheduler.connector, OffloadingConnector):
+    def __init__(self, scheduler: Scheduler, connector: Any = None) -> None:
+        """``connector``: the scheduler's OffloadingConnector (by default
+        ``scheduler.connector``; a MultiConnector's child, with that child's configuration)."""
+        connector = scheduler.connector if connector is None else connector
+        if not isinstance(connector, OffloadingConnector):
             raise ValueError(
                 f"the driver fakes the OffloadingConnector's worker side only, "
-                f"not {type(scheduler.connector).__name__}'s"
+                f"not {type(connector).__name__}'s"
             )
-        vllm_config: VllmConfig = scheduler.vllm_config
+        vllm_config: VllmConfig = connector._vllm_config
         kv_cache_config = scheduler.kv_cache_config
         self.connector = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         with set_current_vllm_config(vllm_config):

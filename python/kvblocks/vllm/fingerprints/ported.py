@@ -178,6 +178,8 @@ PORTED: dict[str, tuple[Source, ...]] = {
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py"),
+        # The MultiConnector, which hands its children what the scheduler hands it.
+        Source("vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py"),
         Source(
             "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
