@@ -236,6 +236,8 @@ def test_scheduler_cpu_time(
         "hashing at arrival": parts.hashing / parts.scheduler,
         "KV-cache manager": parts.manager / parts.scheduler,
     }
+    if parts.connector_calls:  # vLLM's connector code, on both sides of the comparison
+        shares["KV connector"] = parts.connector / parts.scheduler
     benchmark.extra_info["shares"] = shares
     benchmark.extra_info["per_call"] = {
         method: seconds / calls for method, (calls, seconds) in parts.manager_calls.items() if calls

@@ -37,6 +37,24 @@ MANAGER_METHODS = (
     "make_prefix_cache_stats",
     "reset_prefix_cache",
 )
+#: The KV connector's scheduler-side methods vLLM's scheduler calls, timed by
+#: :func:`timed_run` where the scheduler has a connector (vLLM's code with either manager).
+CONNECTOR_METHODS = (
+    "get_num_new_matched_tokens",
+    "get_external_cache_hit_sources",
+    "get_loaded_kv_cache_group_ids",
+    "update_state_after_alloc",
+    "on_new_request",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "register_finished_partial_tail",
+    "take_events",
+    "has_pending_block_frees",
+    "has_pending_push_work",
+    "get_kv_connector_stats",
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,8 @@ class Timings:
     update: float = 0.0  # update_from_output (appending tokens hashes new full blocks)
     manager: float = 0.0  # inside the KV-cache manager, during schedule and update
     manager_calls: dict[str, list[float]] = field(default_factory=dict)  # name -> [calls, s]
+    connector: float = 0.0  # inside the KV connector's scheduler side (arrival included)
+    connector_calls: dict[str, list[float]] = field(default_factory=dict)
     steps: int = 0
     #: Whose manager and hasher ran: ``"vllm"``, ``"kvblocks"`` or a mix
     #: (:func:`implementation_of`).
@@ -144,9 +164,11 @@ def timed_run(
     Returns the timings and each step's :func:`snapshot` (to check two runs are identical);
     ``Timings.implementation`` says whose KV-cache manager and hasher the run used.
 
-    ``instrument`` also times every call of the request block hasher and of the KV-cache
-    manager's methods (``hashing``, ``manager``, ``manager_calls``); the timers slow the run
-    down, so compare totals of runs without them.
+    ``instrument`` also times every call of the request block hasher, of the KV-cache
+    manager's methods (``hashing``, ``manager``, ``manager_calls``) and of the KV connector's
+    scheduler-side methods (``connector``, ``connector_calls``: vLLM's code on both sides,
+    which kvblocks does not replace); the timers slow the run down, so compare totals of runs
+    without them.
 
     With speculative decoding (``spec.speculative``) the fake model verifies drafts and
     proposes new ones, which reach the scheduler as ``EngineCore.post_step`` hands them over
@@ -169,6 +191,12 @@ def timed_run(
             if method is not None:
                 slot = timings.manager_calls.setdefault(name, [0.0, 0.0])
                 setattr(manager, name, _timed(method, slot))
+        connector = scheduler.connector
+        for name in CONNECTOR_METHODS if connector is not None else ():
+            method = getattr(connector, name, None)
+            if method is not None:
+                slot = timings.connector_calls.setdefault(name, [0.0, 0.0])
+                setattr(connector, name, _timed(method, slot))
     prompts = workload.prompts()
     model = FakeModel(drafter_for(scheduler))
     clock = time.perf_counter
@@ -192,4 +220,5 @@ def timed_run(
         timings.steps += 1
         snapshots.append(snapshot(out))
     timings.manager = sum(s for _, s in timings.manager_calls.values()) - manager_at_arrival
+    timings.connector = sum(s for _, s in timings.connector_calls.values())
     return timings, snapshots
