@@ -115,7 +115,7 @@ def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
     arrivals = []
     # EngineCore hashes requests for prefix caching or a KV connector.
     spec = script.spec
-    hashed = spec.enable_caching or bool(spec.kv_offloading) or spec.nixl
+    hashed = spec.enable_caching or spec.has_kv_connector
     for i, r in enumerate(script.requests):
         kwargs: dict[str, Any] = {"cache_salt": r.salt}
         if r.lora is not None:

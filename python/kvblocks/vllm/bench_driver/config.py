@@ -168,10 +168,25 @@ class SchedulerSpec:
     #: NIXL's transfer mode: "pull" (the decode node reads, ``NixlConnector``) or "push" (the
     #: prefill node writes, ``NixlPushConnector``).
     nixl_transfer_mode: str = "pull"
+    #: vLLM's ``DecodeBenchConnector`` (:mod:`~kvblocks.vllm.bench_driver.decode_bench`): every
+    #: prompt but its last token arrives as filled KV; "startup" with vLLM's ``startup_fill``.
+    decode_bench: str = ""
+
+    @property
+    def has_kv_connector(self) -> bool:
+        """Whether the configuration sets a KV connector (then ``EngineCore`` hashes every
+        request's blocks, prefix caching or not)."""
+        return bool(self.kv_offloading or self.nixl or self.decode_bench)
 
     def __post_init__(self) -> None:
         if self.kv_offloading < 0:
             raise ValueError(f"kv_offloading must be >= 0 chunks, not {self.kv_offloading}")
+        if self.decode_bench not in ("", "per request", "startup"):
+            raise ValueError(
+                f"decode_bench is '', 'per request' or 'startup', not {self.decode_bench!r}"
+            )
+        if self.decode_bench and (self.nixl or self.kv_offloading):
+            raise ValueError("the decode-bench connector runs alone")
         if self.nixl_transfer_mode not in ("pull", "push"):
             raise ValueError(
                 f"nixl_transfer_mode is 'pull' or 'push', not {self.nixl_transfer_mode!r}"
@@ -227,6 +242,11 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         from kvblocks.vllm.bench_driver import nixl
 
         extra["kv_transfer_config"] = nixl.kv_transfer_config(spec.nixl_transfer_mode)
+    elif spec.decode_bench:
+        from kvblocks.vllm.bench_driver import decode_bench
+
+        startup = spec.decode_bench == "startup"
+        extra["kv_transfer_config"] = decode_bench.kv_transfer_config(startup)
     if spec.kv_events:
         from vllm.config import KVEventsConfig
 
@@ -245,7 +265,7 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         parallel_config=parallel_config,
         **extra,
     )
-    if (spec.kv_offloading or spec.nixl) and async_flag:
+    if spec.has_kv_connector and async_flag:
         # Back on after the CPU platform turned it off: with a KV connector the scheduler
         # defers freeing blocks while a later step may still write them (defer_block_free),
         # as it does under async scheduling on a GPU.

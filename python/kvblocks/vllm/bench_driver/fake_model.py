@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvblocks.vllm.bench_driver.config import VOCAB_SIZE, select_cpu_platform
 
@@ -25,9 +25,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvblocks.vllm.bench_driver.drafts import Drafter
-    from kvblocks.vllm.bench_driver.multi import FakeMultiWorker
-    from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
-    from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
+
+
+class WorkerSide(Protocol):
+    """A KV connector's faked worker side: what it reports for one scheduler step."""
+
+    def step(self, out: SchedulerOutput) -> KVConnectorOutput: ...
 
 
 def block_hasher(
@@ -85,7 +88,7 @@ class FakeModel:
     def __init__(self, drafter: Drafter | None = None) -> None:
         self._num_sampled: dict[str, int] = {}
         self.drafter = drafter
-        self.connector_worker: ConnectorWorker | FakeNixlWorker | FakeMultiWorker | None = None
+        self.connector_worker: WorkerSide | None = None
 
     def execute(self, scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         kv_connector_output = None
@@ -125,10 +128,14 @@ class FakeModel:
         return None if self.drafter is None else self.drafter.take_draft_token_ids()
 
 
-def connector_worker(scheduler: Scheduler) -> ConnectorWorker | FakeNixlWorker | FakeMultiWorker:
-    """The worker side the driver fakes for the scheduler's KV connector: NIXL's, or the
-    OffloadingConnector's (:class:`~kvblocks.vllm.bench_driver.offloading.ConnectorWorker`,
-    which refuses any other connector)."""
+def connector_worker(scheduler: Scheduler) -> WorkerSide:
+    """The worker side the driver fakes for the scheduler's KV connector: a MultiConnector's,
+    the DecodeBenchConnector's, NIXL's, or the OffloadingConnector's
+    (:class:`~kvblocks.vllm.bench_driver.offloading.ConnectorWorker`, which refuses any other
+    connector)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+        DecodeBenchConnector,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector
 
@@ -136,6 +143,10 @@ def connector_worker(scheduler: Scheduler) -> ConnectorWorker | FakeNixlWorker |
         from kvblocks.vllm.bench_driver.multi import FakeMultiWorker
 
         return FakeMultiWorker(scheduler)
+    if isinstance(scheduler.connector, DecodeBenchConnector):
+        from kvblocks.vllm.bench_driver.decode_bench import FakeDecodeBenchWorker
+
+        return FakeDecodeBenchWorker()
     if isinstance(scheduler.connector, NixlBaseConnector):
         from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
 
@@ -177,6 +188,9 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
     connector: tuple[Any, ...] = ([], [], [])
     metadata = out.kv_connector_metadata
     if metadata is not None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
+            DecodeBenchConnectorMetadata,
+        )
         from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
             MultiKVConnectorMetadata,
         )
@@ -188,6 +202,10 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
             from kvblocks.vllm.bench_driver import multi
 
             connector = multi.connector_decisions(out)
+        elif isinstance(metadata, DecodeBenchConnectorMetadata):
+            from kvblocks.vllm.bench_driver import decode_bench
+
+            connector = decode_bench.connector_decisions(out)
         elif isinstance(metadata, NixlConnectorMetadata):
             from kvblocks.vllm.bench_driver import nixl
 

@@ -178,7 +178,7 @@ def timed_run(
     scheduler = make_scheduler(model_dir, spec)
     lookahead = scheduler.vllm_config.num_hash_lookahead_tokens
     # EngineCore hashes requests only for prefix caching or a KV connector.
-    hashing = spec.enable_caching or bool(spec.kv_offloading)
+    hashing = spec.enable_caching or spec.has_kv_connector
     hasher = block_hasher(spec.hash_algo, spec.block_size, lookahead) if hashing else None
     timings.implementation = implementation_of(scheduler.kv_cache_manager, hasher)
     hasher_slot = [0.0, 0.0]

@@ -178,8 +178,10 @@ PORTED: dict[str, tuple[Source, ...]] = {
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py"),
-        # The MultiConnector, which hands its children what the scheduler hands it.
+        # The MultiConnector, which hands its children what the scheduler hands it, and the
+        # DecodeBenchConnector (each block of a request's table at admission).
         Source("vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"),
+        Source("vllm/distributed/kv_transfer/kv_connector/v1/decode_bench_connector.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py"),
         Source(
             "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
