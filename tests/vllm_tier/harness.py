@@ -30,6 +30,8 @@ from kvblocks.vllm.bench_driver import (
     drafter_for,
     make_request,
     make_scheduler,
+    mooncake,
+    nixl,
 )
 from tests.vllm_tier.simulation import IMPLS, Action, implementation, run
 
@@ -175,6 +177,58 @@ def group_tables(scheduler: Any) -> list[list[tuple[str, list[tuple[int, bool, b
         )
         for manager in managers
     ]
+
+
+def disaggregated_script(spec: SchedulerSpec, n: int, seed: int) -> Script:
+    """``n`` requests over 30 steps, a third each prefill requests, decode requests and plain
+    ones (with the ``kv_transfer_params`` of the spec's connector: Mooncake's, or NIXL's),
+    their prompts a shared prefix (one of three) and a tail of their own."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 60))] for _ in range(3)]
+    requests = []
+    for i in range(n):
+        prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
+        role, request_id = i % 3, f"r{i}"
+        params: dict[str, Any] | None = None
+        if spec.mooncake and role < 2:
+            params = (mooncake.prefill_params, mooncake.decode_params)[role](request_id)
+        elif role == 0:
+            params = nixl.prefill_params()
+        elif role == 1:
+            params = nixl.decode_params(request_id, -(-len(prompt) // spec.block_size))
+        requests.append(
+            RequestSpec(
+                prompt,
+                max_tokens=1 if role == 0 else rng.randrange(2, 12),
+                step=rng.randrange(30),
+                sampling={"extra_args": {"kv_transfer_params": params}} if params else {},
+            )
+        )
+    return Script(spec, requests)
+
+
+def draw_sizes(draw: st.DrawFn, min_blocks: int = 60, max_blocks: int = 200) -> dict[str, Any]:
+    """SchedulerSpec sizes for a hypothesis script: pool, batch and token budget, and whether
+    scheduling is asynchronous."""
+    return {
+        "num_blocks": draw(st.integers(min_blocks, max_blocks)),
+        "max_num_seqs": draw(st.sampled_from([2, 4, 16])),
+        "max_num_batched_tokens": draw(st.sampled_from([16, 48])),
+        "async_scheduling": draw(st.booleans()),
+    }
+
+
+def draw_disaggregated_script(draw: st.DrawFn, spec: SchedulerSpec) -> Script:
+    """:func:`disaggregated_script` of 1 to 12 requests, with aborts and resets drawn."""
+    n = draw(st.integers(1, 12))
+    script = disaggregated_script(spec, n, seed=draw(st.integers(0, 1000)))
+    script.aborts, script.resets = draw_aborts_and_resets(draw, n)
+    return script
+
+
+def records_of(stock: list[Any]) -> list[Any]:
+    """A run's step records that scheduled (what KV connectors' tests read)."""
+    return [record for record in stock[:-1] if record[0] is not None]
 
 
 def events_spec(num_blocks: int, max_num_batched_tokens: int = 32, **kw: Any) -> SchedulerSpec:

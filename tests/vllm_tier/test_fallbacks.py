@@ -178,7 +178,7 @@ def test_engine_configuration_falls_back(model_dir: Path, case: str) -> None:
 @pytest.mark.parametrize(
     ("connector", "module_path", "named"),
     [
-        ("MooncakeConnector", None, "MooncakeConnector"),
+        ("MooncakeStoreConnector", None, "MooncakeStoreConnector"),
         ("LMCacheConnectorV1", None, "LMCacheConnectorV1"),
         ("OffloadingConnector", "my.connectors", "OffloadingConnector from my.connectors"),
     ],

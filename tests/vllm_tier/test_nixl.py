@@ -13,7 +13,6 @@ manager must have run (``both`` asserts it)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,10 @@ from tests.vllm_tier.harness import (
     Script,
     assert_same,
     both,
-    draw_aborts_and_resets,
+    disaggregated_script,
+    draw_disaggregated_script,
+    draw_sizes,
+    records_of,
 )
 
 #: Fields of a step's ``SchedulerOutput`` record (``bench_driver.snapshot``): the connector's
@@ -60,37 +62,6 @@ def spec_for(layout: str, mode: str = "pull", **kwargs: Any) -> SchedulerSpec:
         **kwargs,
     }
     return SchedulerSpec(layout=LAYOUTS[layout], **kwargs)
-
-
-def disaggregated_script(spec: SchedulerSpec, n: int, seed: int) -> Script:
-    """``n`` requests over 30 steps, a third each prefill requests, decode requests and plain
-    ones, their prompts a shared prefix (one of three) and a tail of their own."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 60))] for _ in range(3)]
-    requests = []
-    for i in range(n):
-        prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
-        role = i % 3
-        params = (
-            nixl.prefill_params()
-            if role == 0
-            else nixl.decode_params(f"r{i}", -(-len(prompt) // spec.block_size))
-            if role == 1
-            else None
-        )
-        requests.append(
-            RequestSpec(
-                prompt,
-                max_tokens=1 if role == 0 else rng.randrange(2, 12),
-                step=rng.randrange(30),
-                sampling={"extra_args": {"kv_transfer_params": params}} if params else {},
-            )
-        )
-    return Script(spec, requests)
-
-
-def records_of(stock: list[Any]) -> list[Any]:
-    return [record for record in stock[:-1] if record[0] is not None]
 
 
 @pytest.mark.parametrize(
@@ -199,18 +170,12 @@ def scripts(draw: st.DrawFn) -> Script:
         draw(st.sampled_from(MODES)),
         # (a smaller pool can leave a request waiting forever under async scheduling: vLLM's
         # scheduler with NIXL does, on either manager, which the harness cannot compare)
-        num_blocks=draw(st.integers(60, 200)),
-        max_num_seqs=draw(st.sampled_from([2, 4, 16])),
-        max_num_batched_tokens=draw(st.sampled_from([16, 48])),
-        async_scheduling=draw(st.booleans()),
+        **draw_sizes(draw, min_blocks=60),
         # with CPU offloading too: vLLM's MultiConnector of NIXL and the OffloadingConnector
         # (which needs prefix caching with Mamba groups: vLLM refuses the layout without it)
         kv_offloading=0 if caching_off else draw(st.sampled_from([0, 0, 16, 64])),
     )
-    n = draw(st.integers(1, 12))
-    script = disaggregated_script(spec, n, seed=draw(st.integers(0, 1000)))
-    script.aborts, script.resets = draw_aborts_and_resets(draw, n)
-    return script
+    return draw_disaggregated_script(draw, spec)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

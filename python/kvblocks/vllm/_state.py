@@ -84,8 +84,8 @@ _TEXTS = {
     Reason.HASH_BLOCK_SIZE: "KV-cache groups whose block sizes differ from the hash block size "
     "(prefix_match_unit, mixed page sizes, DCP)",
     Reason.KV_CONNECTOR: "a KV connector other than vLLM's native CPU offloading "
-    "(OffloadingConnector), NIXL's (pull and push) and the DecodeBenchConnector, alone or in "
-    "a MultiConnector: LMCache, Mooncake, P2P, ... (kv_transfer_config)",
+    "(OffloadingConnector), NIXL's (pull and push), Mooncake's and the DecodeBenchConnector, "
+    "alone or in a MultiConnector: LMCache, P2P, MoRIIO, ... (kv_transfer_config)",
     Reason.EC_CONNECTOR: "an encoder-cache connector (ec_transfer_config)",
     Reason.AUX_OUTPUT: "auxiliary outputs (routed experts) that read the block pool",
     Reason.SPECULATIVE: "a speculative-decoding method kvblocks does not implement "

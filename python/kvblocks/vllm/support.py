@@ -20,11 +20,12 @@ option it does not know included, falls back to vLLM's own manager:
 - vLLM's retention interval (passed to ``KVCacheCore`` with prefix caching) where vLLM's own
   coordinator accepts it (its check decides; a refused one is ``vllm_rejects``);
 - vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``),
-  NIXL's connector in pull or push mode (disaggregated prefill) and the DecodeBenchConnector,
-  alone or in vLLM's MultiConnector, and none of: another KV connector, an encoder-cache
-  connector, auxiliary outputs, context parallelism, the KV-cache metrics collector, an
-  encoder-decoder model, a custom scheduler class, lookahead hashing of two or more tokens
-  with prefix caching but no full-attention group; one of vLLM's four hash algorithms;
+  NIXL's connector in pull or push mode and Mooncake's (disaggregated prefill) and the
+  DecodeBenchConnector, alone or in vLLM's MultiConnector, and none of: another KV
+  connector, an encoder-cache connector, auxiliary outputs, context parallelism, the KV-cache
+  metrics collector, an encoder-decoder model, a custom scheduler class, lookahead hashing of
+  two or more tokens with prefix caching but no full-attention group; one of vLLM's four hash
+  algorithms;
 - only the ``KVCacheManager`` arguments vLLM 0.33 passes.
 
 Each function returns ``None`` when supported, else the first :class:`~kvblocks.vllm._state.Reason`.
@@ -229,9 +230,9 @@ def unsupported_config(
 
 #: The KV connectors whose scheduler side kvblocks' manager serves, by vLLM's registry name:
 #: vLLM's native CPU offloading (``--kv-offloading-size``), NIXL's pull and push connectors
-#: (disaggregated prefill) and the DecodeBenchConnector (decode benchmarks: dummy KV for every
-#: prompt), which read of the manager only what kvblocks gives as vLLM does (block ids, whether
-#: each block of a request's table is registered, deferred frees).
+#: and Mooncake's (disaggregated prefill) and the DecodeBenchConnector (decode benchmarks:
+#: dummy KV for every prompt), which read of the manager only what kvblocks gives as vLLM does
+#: (block ids, whether each block of a request's table is registered, deferred frees).
 CONNECTORS = frozenset(
     {
         "OffloadingConnector",
@@ -239,6 +240,7 @@ CONNECTORS = frozenset(
         "NixlPullConnector",
         "NixlPushConnector",
         "DecodeBenchConnector",
+        "MooncakeConnector",
     }
 )
 

@@ -23,6 +23,8 @@ model outputs. The scheduler, its KV-cache manager and the request block hasher 
 - :mod:`~kvblocks.vllm.bench_driver.nixl`: NIXL's connector in both roles, pull or push mode
   (disaggregated prefill and decode, ``SchedulerSpec.nixl``, ``nixl_transfer_mode``) with a
   fake worker side, and the ``kv_transfer_params`` of prefill and decode requests;
+- :mod:`~kvblocks.vllm.bench_driver.mooncake`: vLLM's MooncakeConnector in both roles
+  (``SchedulerSpec.mooncake``) with a fake worker side, and its requests' ``kv_transfer_params``;
 - :mod:`~kvblocks.vllm.bench_driver.decode_bench`: vLLM's DecodeBenchConnector
   (``SchedulerSpec.decode_bench``) with a fake worker side;
 - :mod:`~kvblocks.vllm.bench_driver.multi`: vLLM's MultiConnector of NIXL and CPU offloading

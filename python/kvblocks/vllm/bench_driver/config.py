@@ -168,6 +168,9 @@ class SchedulerSpec:
     #: NIXL's transfer mode: "pull" (the decode node reads, ``NixlConnector``) or "push" (the
     #: prefill node writes, ``NixlPushConnector``).
     nixl_transfer_mode: str = "pull"
+    #: vLLM's ``MooncakeConnector`` in both roles (disaggregated prefill and decode,
+    #: :mod:`~kvblocks.vllm.bench_driver.mooncake`); requests say which role theirs is.
+    mooncake: bool = False
     #: vLLM's ``DecodeBenchConnector`` (:mod:`~kvblocks.vllm.bench_driver.decode_bench`): every
     #: prompt but its last token arrives as filled KV; "startup" with vLLM's ``startup_fill``.
     decode_bench: str = ""
@@ -176,7 +179,7 @@ class SchedulerSpec:
     def has_kv_connector(self) -> bool:
         """Whether the configuration sets a KV connector (then ``EngineCore`` hashes every
         request's blocks, prefix caching or not)."""
-        return bool(self.kv_offloading or self.nixl or self.decode_bench)
+        return bool(self.kv_offloading or self.nixl or self.decode_bench or self.mooncake)
 
     def __post_init__(self) -> None:
         if self.kv_offloading < 0:
@@ -185,8 +188,10 @@ class SchedulerSpec:
             raise ValueError(
                 f"decode_bench is '', 'per request' or 'startup', not {self.decode_bench!r}"
             )
-        if self.decode_bench and (self.nixl or self.kv_offloading):
-            raise ValueError("the decode-bench connector runs alone")
+        if (self.decode_bench or self.mooncake) and (self.nixl or self.kv_offloading):
+            raise ValueError("the decode-bench and Mooncake connectors run alone")
+        if self.decode_bench and self.mooncake:
+            raise ValueError("one KV connector at a time: decode_bench or mooncake")
         if self.nixl_transfer_mode not in ("pull", "push"):
             raise ValueError(
                 f"nixl_transfer_mode is 'pull' or 'push', not {self.nixl_transfer_mode!r}"
@@ -242,6 +247,10 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         from kvblocks.vllm.bench_driver import nixl
 
         extra["kv_transfer_config"] = nixl.kv_transfer_config(spec.nixl_transfer_mode)
+    elif spec.mooncake:
+        from kvblocks.vllm.bench_driver import mooncake
+
+        extra["kv_transfer_config"] = mooncake.kv_transfer_config()
     elif spec.decode_bench:
         from kvblocks.vllm.bench_driver import decode_bench
 

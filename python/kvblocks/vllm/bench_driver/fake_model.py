@@ -143,6 +143,10 @@ def connector_worker(scheduler: Scheduler) -> WorkerSide:
         from kvblocks.vllm.bench_driver.multi import FakeMultiWorker
 
         return FakeMultiWorker(scheduler)
+    if type(scheduler.connector).__name__ == "MooncakeConnector":
+        from kvblocks.vllm.bench_driver.mooncake import FakeMooncakeWorker
+
+        return FakeMooncakeWorker()
     if isinstance(scheduler.connector, DecodeBenchConnector):
         from kvblocks.vllm.bench_driver.decode_bench import FakeDecodeBenchWorker
 
@@ -202,6 +206,10 @@ def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
             from kvblocks.vllm.bench_driver import multi
 
             connector = multi.connector_decisions(out)
+        elif type(metadata).__name__ == "MooncakeConnectorMetadata":
+            from kvblocks.vllm.bench_driver import mooncake
+
+            connector = mooncake.connector_decisions(out)
         elif isinstance(metadata, DecodeBenchConnectorMetadata):
             from kvblocks.vllm.bench_driver import decode_bench
 

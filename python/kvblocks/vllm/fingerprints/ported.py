@@ -182,6 +182,15 @@ PORTED: dict[str, tuple[Source, ...]] = {
         # DecodeBenchConnector (each block of a request's table at admission).
         Source("vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py"),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/decode_bench_connector.py"),
+        # Mooncake's connector: its scheduler side (the unhashed blocks, finished requests' ids).
+        Source(
+            "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py",
+            objects=(
+                "MooncakeConnector",
+                "MooncakeConnectorScheduler",
+                "MooncakeConnectorMetadata",
+            ),
+        ),
         Source("vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py"),
         Source(
             "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
