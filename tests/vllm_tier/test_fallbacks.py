@@ -179,6 +179,7 @@ def test_engine_configuration_falls_back(model_dir: Path, case: str) -> None:
     ("connector", "module_path", "named"),
     [
         ("MooncakeStoreConnector", None, "MooncakeStoreConnector"),
+        ("ExampleConnector", None, "ExampleConnector"),
         ("LMCacheConnectorV1", None, "LMCacheConnectorV1"),
         ("OffloadingConnector", "my.connectors", "OffloadingConnector from my.connectors"),
     ],

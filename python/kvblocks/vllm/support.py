@@ -232,7 +232,11 @@ def unsupported_config(
 #: vLLM's native CPU offloading (``--kv-offloading-size``), NIXL's pull and push connectors
 #: and Mooncake's (disaggregated prefill) and the DecodeBenchConnector (decode benchmarks:
 #: dummy KV for every prompt), which read of the manager only what kvblocks gives as vLLM does
-#: (block ids, whether each block of a request's table is registered, deferred frees).
+#: (block ids, whether each block of a request's table is registered, deferred frees). Not
+#: vLLM's ExampleConnector, although it reads nothing of the manager: it reports a negative
+#: number of external tokens when a request's local hit is longer than the prompt prefix it
+#: checks, which vLLM's manager takes as it is (the request recomputes those tokens) and
+#: kvblocks' refuses.
 CONNECTORS = frozenset(
     {
         "OffloadingConnector",
