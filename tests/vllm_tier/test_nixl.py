@@ -78,6 +78,29 @@ def test_the_scheduler_gets_nixl_and_kvblocks_serves_it(
     assert f"prefix caching on, {connector}" in str(kvblocks.vllm.status())
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"nixl": True, "nixl_transfer_mode": "pulled"}, "'pull' or 'push'"),
+        ({"decode_bench": "always"}, "'per request' or 'startup'"),
+        ({"mooncake": True, "nixl": True}, "one KV connector at a time"),
+        ({"decode_bench": "startup", "kv_offloading": 4}, "one KV connector at a time"),
+        ({"decode_bench": "startup", "mooncake": True}, "one KV connector at a time"),
+        ({"kv_offloading": -1}, "kv_offloading must be >= 0"),
+    ],
+)
+def test_the_driver_refuses_connector_specs_it_cannot_build(
+    fields: dict[str, Any], message: str
+) -> None:
+    """NIXL with CPU offloading is vLLM's MultiConnector; any other pair of connectors, an
+    unknown mode or a negative CPU tier is refused when the spec is made."""
+    with pytest.raises(ValueError, match=message):
+        SchedulerSpec(**fields)
+    with pytest.raises(ValueError, match="'pull' or 'push'"):
+        nixl.kv_transfer_config("pulled")
+    assert SchedulerSpec(nixl=True, kv_offloading=4).has_kv_connector
+
+
 def assert_decode_requests_got_remote_kv(records: list[Any], mode: str) -> None:
     """Pull mode: reads the decode requests wait for, into their blocks. Push mode: the
     decode requests' registrations of their blocks (which the prefill node writes), with

@@ -188,10 +188,12 @@ class SchedulerSpec:
             raise ValueError(
                 f"decode_bench is '', 'per request' or 'startup', not {self.decode_bench!r}"
             )
-        if (self.decode_bench or self.mooncake) and (self.nixl or self.kv_offloading):
-            raise ValueError("the decode-bench and Mooncake connectors run alone")
-        if self.decode_bench and self.mooncake:
-            raise ValueError("one KV connector at a time: decode_bench or mooncake")
+        alone = [bool(self.decode_bench), self.mooncake, bool(self.nixl or self.kv_offloading)]
+        if sum(alone) > 1:
+            raise ValueError(
+                "one KV connector at a time (NIXL with CPU offloading is one, vLLM's "
+                "MultiConnector): decode_bench, mooncake, or nixl / kv_offloading"
+            )
         if self.nixl_transfer_mode not in ("pull", "push"):
             raise ValueError(
                 f"nixl_transfer_mode is 'pull' or 'push', not {self.nixl_transfer_mode!r}"
