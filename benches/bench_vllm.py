@@ -58,8 +58,9 @@ from kvblocks.vllm.bench_driver import (
 from kvblocks.vllm.bench_driver.timing import IMPLEMENTATION_MODULES
 
 IMPLS = ["vllm", "kvblocks"]
-#: Fields of a step's snapshot (``bench_driver.snapshot``): scheduled drafts, connector stores.
-DRAFTS, STORES = 6, 10
+#: Fields of a step's snapshot (``bench_driver.snapshot``): scheduled drafts, connector stores
+#: (CPU offloading), connector fills (the decode-bench connector).
+DRAFTS, FILLS, STORES = 6, 9, 10
 SNAPSHOTS: dict[str, list[Any]] = {}
 HASHES: dict[tuple[str, str], list[list[bytes]]] = {}
 
@@ -137,14 +138,19 @@ OFFLOADING_CHUNKS = 16384
 #: The Mamba layouts also run without prefix caching (``--no-enable-prefix-caching``: vLLM's
 #: Mamba cache mode "none", one block of ``max_model_len`` tokens per request and group).
 NO_CACHING = "prefix caching off"
+#: vLLM's decode-benchmark connector (``DecodeBenchConnector``): every prompt but its last
+#: token arrives as dummy KV, so every step but a request's first is a decode step.
+DECODE_BENCH = "DecodeBenchConnector"
 MAMBA = [layout for layout, groups in LAYOUTS.items() if any(k == "mamba" for k, _ in groups)]
-#: (workload, layout, blocks per group, speculative method, OFFLOADING, NO_CACHING or "").
+#: (workload, layout, blocks per group, speculative method, OFFLOADING, NO_CACHING,
+#: DECODE_BENCH or "").
 SCHEDULER_CASES = (
     [(name, "llama", ONE_GROUP_BLOCKS, "") for name in WORKLOADS]
     + [("shared prefix, 32 output tokens", layout, BLOCKS_PER_GROUP, "") for layout in LAYOUTS]
     + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, m) for m in SPECULATION]
     + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, OFFLOADING)]
     + [("shared prefix, 32 output tokens", m, BLOCKS_PER_GROUP, NO_CACHING) for m in MAMBA]
+    + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, DECODE_BENCH)]
 )
 
 #: What the layout cases run in an untimed pass (``--benchmark-disable``, as CI runs
@@ -192,6 +198,7 @@ def test_scheduler_cpu_time(
         max_num_batched_tokens=8192,
         speculative=SPECULATION.get(method),
         kv_offloading=OFFLOADING_CHUNKS if method == OFFLOADING else 0,
+        decode_bench="per request" if method == DECODE_BENCH else "",
     )
     layout_case = _is_layout_case(layout, blocks_per_group)
     workload = WORKLOADS[name]
@@ -205,6 +212,8 @@ def test_scheduler_cpu_time(
     case = f"vLLM scheduler, 256 requests, {name}"
     if method == OFFLOADING:
         case = f"{case}, {method} ({OFFLOADING_CHUNKS:,} CPU blocks), {blocks_per_group:,} blocks"
+    elif method == DECODE_BENCH:
+        case = f"{case}, {method} (every prompt filled), {blocks_per_group:,} blocks"
     elif method in SPECULATION:
         case = f"{case}, {method} speculative decoding (k=3), {blocks_per_group:,} blocks"
     elif layout_case:
@@ -222,6 +231,10 @@ def test_scheduler_cpu_time(
     if method == OFFLOADING:  # every request's prompt blocks were stored to the CPU tier
         _assert_every_request_finished(snapshots, workload)
         assert sum(len(snap[STORES]) for snap in snapshots) > 0
+    elif method == DECODE_BENCH:  # every prompt arrived filled: one step per output token
+        _assert_every_request_finished(snapshots, workload)
+        assert all(hit == workload.prompt_len - 1 for s in snapshots for _, _, hit in s[1])
+        assert sum(len(snap[FILLS]) for snap in snapshots) == workload.num_requests
     elif method in SPECULATION:  # drafts scheduled, some accepted: fewer steps than tokens
         assert any(snap[DRAFTS] for snap in snapshots)
         assert timings.steps < workload.output_len + 8
