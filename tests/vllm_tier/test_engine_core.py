@@ -318,17 +318,9 @@ def connector_jobs(out: SchedulerOutput) -> Any:
     store and flush jobs, or NIXL's transfers, hand-overs and registrations."""
     if out.kv_connector_metadata is None:
         return None
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-        NixlConnectorMetadata,
-    )
+    from kvblocks.vllm.bench_driver.fake_model import connector_decisions
 
-    from kvblocks.vllm.bench_driver import nixl, offloading
-
-    if isinstance(out.kv_connector_metadata, NixlConnectorMetadata):
-        decisions = nixl.connector_decisions(out)
-    else:
-        decisions = offloading.connector_decisions(out)
-    return json.loads(json.dumps(decisions, default=lambda v: v.hex()))
+    return json.loads(json.dumps(connector_decisions(out), default=lambda v: v.hex()))
 
 
 def as_dict(value: Any) -> dict[str, Any] | None:

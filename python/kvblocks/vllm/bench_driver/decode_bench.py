@@ -40,6 +40,11 @@ class FakeDecodeBenchWorker:
         return KVConnectorOutput()
 
 
+def fake_worker(scheduler: Any, connector: Any) -> FakeDecodeBenchWorker:
+    """The driver's worker side for the connector (``fake_model.connector_worker``)."""
+    return FakeDecodeBenchWorker()
+
+
 def connector_decisions(out: SchedulerOutput) -> tuple[list[Any], list[Any], list[Any]]:
     """The step's fills as plain values: (request id, the block ids per group it fills, the
     number of tokens), by request id; then two empty fields (the snapshot's connector slots)."""

@@ -12,6 +12,7 @@ returns what it reported.
 
 from __future__ import annotations
 
+import importlib
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -128,36 +129,45 @@ class FakeModel:
         return None if self.drafter is None else self.drafter.take_draft_token_ids()
 
 
-def connector_worker(scheduler: Scheduler) -> WorkerSide:
-    """The worker side the driver fakes for the scheduler's KV connector: a MultiConnector's,
-    the DecodeBenchConnector's, NIXL's, or the OffloadingConnector's
-    (:class:`~kvblocks.vllm.bench_driver.offloading.ConnectorWorker`, which refuses any other
-    connector)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
-        DecodeBenchConnector,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector
+#: The driver module faking each KV connector (its worker side, ``fake_worker``, and the
+#: reading of a step's decisions, ``connector_decisions``), by the class name of vLLM's
+#: connector and of its metadata.
+_FAKES = {
+    "OffloadingConnector": "offloading",
+    "OffloadingConnectorMetadata": "offloading",
+    "NixlPullConnector": "nixl",  # also vLLM's NixlConnector
+    "NixlPushConnector": "nixl",
+    "NixlConnectorMetadata": "nixl",
+    "MooncakeConnector": "mooncake",
+    "MooncakeConnectorMetadata": "mooncake",
+    "DecodeBenchConnector": "decode_bench",
+    "DecodeBenchConnectorMetadata": "decode_bench",
+    "MultiConnector": "multi",
+    "MultiKVConnectorMetadata": "multi",
+}
 
-    if isinstance(scheduler.connector, MultiConnector):
-        from kvblocks.vllm.bench_driver.multi import FakeMultiWorker
 
-        return FakeMultiWorker(scheduler)
-    if type(scheduler.connector).__name__ == "MooncakeConnector":
-        from kvblocks.vllm.bench_driver.mooncake import FakeMooncakeWorker
+def _fake(connector_or_metadata: Any) -> Any:
+    name = type(connector_or_metadata).__name__
+    if name not in _FAKES:
+        raise ValueError(f"the driver fakes no worker side for {name}")
+    return importlib.import_module(f"kvblocks.vllm.bench_driver.{_FAKES[name]}")
 
-        return FakeMooncakeWorker()
-    if isinstance(scheduler.connector, DecodeBenchConnector):
-        from kvblocks.vllm.bench_driver.decode_bench import FakeDecodeBenchWorker
 
-        return FakeDecodeBenchWorker()
-    if isinstance(scheduler.connector, NixlBaseConnector):
-        from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
+def connector_worker(scheduler: Scheduler, connector: Any = None) -> WorkerSide:
+    """The worker side the driver fakes for the scheduler's KV connector (or for
+    ``connector``, a MultiConnector's child): the OffloadingConnector's, NIXL's, Mooncake's,
+    the DecodeBenchConnector's or a MultiConnector's; any other connector is refused."""
+    connector = scheduler.connector if connector is None else connector
+    worker: WorkerSide = _fake(connector).fake_worker(scheduler, connector)
+    return worker
 
-        return FakeNixlWorker()
-    from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
 
-    return ConnectorWorker(scheduler)
+def connector_decisions(out: SchedulerOutput) -> tuple[Any, ...]:
+    """What the step's KV connector metadata decided, as plain values (each fake module's
+    ``connector_decisions``)."""
+    decisions: tuple[Any, ...] = _fake(out.kv_connector_metadata).connector_decisions(out)
+    return decisions
 
 
 def model_output(
@@ -183,45 +193,13 @@ def model_output(
 
 def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
     """Everything a scheduler step decides, as plain comparable values; the last three, what
-    its KV connector decided (CPU offloading: the load jobs, the store jobs and the job ids
-    it flushes, :func:`~kvblocks.vllm.bench_driver.offloading.connector_decisions`; NIXL:
-    :func:`~kvblocks.vllm.bench_driver.nixl.connector_decisions`; empty without a
-    connector), or for a MultiConnector of NIXL and offloading, the last six (NIXL's three,
-    then offloading's)."""
+    its KV connector decided (:func:`connector_decisions`; e.g. CPU offloading's load jobs,
+    store jobs and the job ids it flushes; empty without a connector), or for a
+    MultiConnector, three per child (NIXL's, then offloading's)."""
     cached = out.scheduled_cached_reqs
     connector: tuple[Any, ...] = ([], [], [])
-    metadata = out.kv_connector_metadata
-    if metadata is not None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.decode_bench_connector import (
-            DecodeBenchConnectorMetadata,
-        )
-        from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
-            MultiKVConnectorMetadata,
-        )
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-            NixlConnectorMetadata,
-        )
-
-        if isinstance(metadata, MultiKVConnectorMetadata):
-            from kvblocks.vllm.bench_driver import multi
-
-            connector = multi.connector_decisions(out)
-        elif type(metadata).__name__ == "MooncakeConnectorMetadata":
-            from kvblocks.vllm.bench_driver import mooncake
-
-            connector = mooncake.connector_decisions(out)
-        elif isinstance(metadata, DecodeBenchConnectorMetadata):
-            from kvblocks.vllm.bench_driver import decode_bench
-
-            connector = decode_bench.connector_decisions(out)
-        elif isinstance(metadata, NixlConnectorMetadata):
-            from kvblocks.vllm.bench_driver import nixl
-
-            connector = nixl.connector_decisions(out)
-        else:
-            from kvblocks.vllm.bench_driver.offloading import connector_decisions
-
-            connector = connector_decisions(out)
+    if out.kv_connector_metadata is not None:
+        connector = connector_decisions(out)
     return (
         sorted(out.num_scheduled_tokens.items()),
         [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],

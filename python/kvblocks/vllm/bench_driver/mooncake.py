@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvblocks.vllm.bench_driver.config import select_cpu_platform
+from kvblocks.vllm.bench_driver.nixl import count_down
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig
@@ -63,7 +64,8 @@ class FakeMooncakeWorker:
 
     def __init__(self, send_delay: int = 2) -> None:
         self.send_delay = send_delay
-        self._sending: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, steps)
+        self._sending: dict[str, int] = {}  # request id -> steps left
+        self._transfer_ids: dict[str, str] = {}  # request id -> its transfer id
 
     def step(self, out: SchedulerOutput) -> KVConnectorOutput:
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
@@ -81,18 +83,20 @@ class FakeMooncakeWorker:
         }
         for request_id, (transfer_id, blocks) in metadata.reqs_to_send.items():
             if any(blocks):
-                self._sending.setdefault(request_id, (transfer_id, self.send_delay))
-        dropped = metadata.reqs_not_processed
-        sent = set()
-        for request_id, (transfer_id, steps) in list(self._sending.items()):
-            if transfer_id in dropped:
-                del self._sending[request_id]
-            elif steps <= 1:
-                del self._sending[request_id]
-                sent.add(request_id)
-            else:
-                self._sending[request_id] = (transfer_id, steps - 1)
+                self._sending.setdefault(request_id, self.send_delay)
+                self._transfer_ids[request_id] = transfer_id
+        for request_id, transfer_id in list(self._transfer_ids.items()):
+            if transfer_id in metadata.reqs_not_processed:
+                self._sending.pop(request_id, None)
+        sent = count_down(self._sending)
+        for request_id in set(self._transfer_ids) - set(self._sending):
+            del self._transfer_ids[request_id]
         return KVConnectorOutput(finished_sending=sent or None, finished_recving=recving or None)
+
+
+def fake_worker(scheduler: Any, connector: Any) -> FakeMooncakeWorker:
+    """The driver's worker side for the connector (``fake_model.connector_worker``)."""
+    return FakeMooncakeWorker()
 
 
 def connector_decisions(out: SchedulerOutput) -> tuple[list[Any], list[Any], list[Any]]:

@@ -4,9 +4,8 @@ CPU offloading side by side, as a deployment runs them (``--kv-transfer-config
 ``SchedulerSpec`` turns it on when it asks for both (``nixl`` and ``kv_offloading``).
 
 The scheduler side is vLLM's (the MultiConnector and its two children, unchanged). The
-worker side, :class:`FakeMultiWorker`, runs each child's fake worker (NIXL's
-:class:`~kvblocks.vllm.bench_driver.nixl.FakeNixlWorker`, the OffloadingConnector's
-:class:`~kvblocks.vllm.bench_driver.offloading.ConnectorWorker`) on that child's part of the
+worker side, :class:`FakeMultiWorker`, runs each child's fake worker (the driver's, by
+``fake_model.connector_worker``) on that child's part of the
 step's metadata and joins their reports as vLLM's MultiConnector worker joins its children's.
 Import it after the driver has selected vLLM's CPU platform (as the offloading module)."""
 
@@ -19,10 +18,6 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-    OffloadingConnector,
 )
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -68,15 +63,10 @@ class FakeMultiWorker:
     NIXL holds them, so :meth:`step` refuses such a count), and the children's worker
     metadata in one ``MultiKVConnectorWorkerMetadata``."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.workers: list[Any] = []
-        for child in scheduler.connector.sub_connectors:
-            if isinstance(child, NixlBaseConnector):
-                self.workers.append(nixl.FakeNixlWorker())
-            elif isinstance(child, OffloadingConnector):
-                self.workers.append(offloading.ConnectorWorker(scheduler, child))
-            else:
-                raise ValueError(f"the driver fakes no worker side for {type(child).__name__}")
+    def __init__(self, scheduler: Scheduler, connector: Any) -> None:
+        from kvblocks.vllm.bench_driver.fake_model import connector_worker
+
+        self.workers = [connector_worker(scheduler, c) for c in connector.sub_connectors]
 
     def step(self, out: SchedulerOutput) -> KVConnectorOutput:
         metadata = out.kv_connector_metadata
@@ -100,14 +90,16 @@ class FakeMultiWorker:
         )
 
 
+def fake_worker(scheduler: Scheduler, connector: Any) -> FakeMultiWorker:
+    """The driver's worker side for the connector (``fake_model.connector_worker``)."""
+    return FakeMultiWorker(scheduler, connector)
+
+
 def connector_decisions(out: SchedulerOutput) -> tuple[Any, ...]:
-    """Each child's decisions of the step, one after the other: NIXL's three
-    (:func:`~kvblocks.vllm.bench_driver.nixl.connector_decisions`), then the
-    OffloadingConnector's three (loads, stores, flushed)."""
+    """Each child's decisions of the step, one after the other (with NIXL and offloading:
+    NIXL's three, then the OffloadingConnector's loads, stores and flushed jobs)."""
+    from kvblocks.vllm.bench_driver.fake_model import connector_decisions as decisions_of
+
     metadata = out.kv_connector_metadata
     assert isinstance(metadata, MultiKVConnectorMetadata)
-    nixl_part, offloading_part = metadata.metadata
-    return (
-        *nixl.connector_decisions(_part(out, nixl_part)),
-        *offloading.connector_decisions(_part(out, offloading_part)),
-    )
+    return tuple(field for part in metadata.metadata for field in decisions_of(_part(out, part)))

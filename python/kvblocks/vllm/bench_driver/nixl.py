@@ -102,12 +102,17 @@ class FakeNixlWorker:
             self._sending.setdefault(request_id, self.read_delay)
         for request_id in metadata.reqs_not_processed:
             self._sending.pop(request_id, None)
-        recving |= _count_down(self._writing)
-        sent = _count_down(self._sending)
+        recving |= count_down(self._writing)
+        sent = count_down(self._sending)
         return KVConnectorOutput(finished_sending=sent or None, finished_recving=recving or None)
 
 
-def _count_down(pending: dict[str, int]) -> set[str]:
+def fake_worker(scheduler: Any, connector: Any) -> FakeNixlWorker:
+    """The driver's worker side for NIXL (``fake_model.connector_worker``)."""
+    return FakeNixlWorker()
+
+
+def count_down(pending: dict[str, int]) -> set[str]:
     """One step passes for each pending transfer; the ones it completes (removed)."""
     done = set()
     for request_id in list(pending):

@@ -304,6 +304,11 @@ class ConnectorWorker:
         )
 
 
+def fake_worker(scheduler: Scheduler, connector: Any) -> ConnectorWorker:
+    """The driver's worker side for the connector (``fake_model.connector_worker``)."""
+    return ConnectorWorker(scheduler, connector)
+
+
 def _gpu_spec(spec: Any) -> tuple[Any, ...]:
     if not isinstance(spec, GPULoadStoreSpec):
         return ("?", repr(spec))
