@@ -179,6 +179,31 @@ def group_tables(scheduler: Any) -> list[list[tuple[str, list[tuple[int, bool, b
     ]
 
 
+#: The layouts the KV-connector tests run (test_nixl, test_mooncake, test_decode_bench): one
+#: full-attention group, gpt-oss's window and full attention, and a Qwen3.5-like layout without
+#: prefix caching (Mamba groups in cache mode "none").
+CONNECTOR_LAYOUTS: dict[str, Any] = {
+    "llama": [("full", 0)],
+    "gpt-oss": [("full", 0), ("sliding_window", 16)],
+    "qwen3.5, prefix caching off": [("full", 0)] + [("mamba", 0)] * 3,
+}
+
+
+def connector_spec(layout: str, **kwargs: Any) -> SchedulerSpec:
+    """A :data:`CONNECTOR_LAYOUTS` layout on small blocks, KV events on, prefix caching as
+    the layout's name says; ``kwargs`` choose the connector and override the rest."""
+    kwargs = {
+        "block_size": 4,
+        "num_blocks": 200,
+        "max_num_batched_tokens": 48,
+        "max_model_len": 512,
+        "kv_events": True,
+        "enable_caching": not layout.endswith("prefix caching off"),
+        **kwargs,
+    }
+    return SchedulerSpec(layout=CONNECTOR_LAYOUTS[layout], **kwargs)
+
+
 def disaggregated_script(spec: SchedulerSpec, n: int, seed: int) -> Script:
     """``n`` requests over 30 steps, a third each prefill requests, decode requests and plain
     ones (with the ``kv_transfer_params`` of the spec's connector: Mooncake's, or NIXL's),

@@ -17,34 +17,22 @@ from hypothesis import strategies as st
 import kvblocks.vllm
 from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler
 from tests.vllm_tier.harness import (
+    CONNECTOR_LAYOUTS,
     Script,
     assert_same,
     both,
+    connector_spec,
     draw_aborts_and_resets,
     shared_prefix_script,
 )
 
 #: Fields of a step's record (``bench_driver.snapshot``): preempted requests, the fills.
 PREEMPTED, FILLS = 5, 9
-LAYOUTS: dict[str, Any] = {
-    "llama": [("full", 0)],
-    "gpt-oss": [("full", 0), ("sliding_window", 16)],
-    "qwen3.5, prefix caching off": [("full", 0)] + [("mamba", 0)] * 3,
-}
+LAYOUTS = CONNECTOR_LAYOUTS
 
 
 def spec_for(layout: str, fill: str = "per request", **kwargs: Any) -> SchedulerSpec:
-    kwargs = {
-        "block_size": 4,
-        "num_blocks": 200,
-        "max_num_batched_tokens": 48,
-        "max_model_len": 512,
-        "kv_events": True,
-        "decode_bench": fill,
-        "enable_caching": not layout.endswith("prefix caching off"),
-        **kwargs,
-    }
-    return SchedulerSpec(layout=LAYOUTS[layout], **kwargs)
+    return connector_spec(layout, **{"decode_bench": fill, **kwargs})
 
 
 def fills(stock: list[Any]) -> list[Any]:

@@ -20,9 +20,11 @@ from hypothesis import strategies as st
 import kvblocks.vllm
 from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler
 from tests.vllm_tier.harness import (
+    CONNECTOR_LAYOUTS,
     Script,
     assert_same,
     both,
+    connector_spec,
     disaggregated_script,
     draw_disaggregated_script,
     draw_sizes,
@@ -32,25 +34,11 @@ from tests.vllm_tier.harness import (
 #: Fields of a step's record (``bench_driver.snapshot``): preempted requests, then the
 #: connector's transfers into decode requests, hand-overs and dropped transfers.
 PREEMPTED, RECV, SEND, DROPPED = 5, 9, 10, 11
-LAYOUTS: dict[str, Any] = {
-    "llama": [("full", 0)],
-    "gpt-oss": [("full", 0), ("sliding_window", 16)],
-    "qwen3.5, prefix caching off": [("full", 0)] + [("mamba", 0)] * 3,
-}
+LAYOUTS = CONNECTOR_LAYOUTS
 
 
 def spec_for(layout: str, **kwargs: Any) -> SchedulerSpec:
-    kwargs = {
-        "block_size": 4,
-        "num_blocks": 200,
-        "max_num_batched_tokens": 48,
-        "max_model_len": 512,
-        "kv_events": True,
-        "mooncake": True,
-        "enable_caching": not layout.endswith("prefix caching off"),
-        **kwargs,
-    }
-    return SchedulerSpec(layout=LAYOUTS[layout], **kwargs)
+    return connector_spec(layout, **{"mooncake": True, **kwargs})
 
 
 def test_the_scheduler_gets_mooncake_and_kvblocks_serves_it(model_dir: Path) -> None:

@@ -23,10 +23,12 @@ from hypothesis import strategies as st
 import kvblocks.vllm
 from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler, nixl
 from tests.vllm_tier.harness import (
+    CONNECTOR_LAYOUTS,
     RequestSpec,
     Script,
     assert_same,
     both,
+    connector_spec,
     disaggregated_script,
     draw_disaggregated_script,
     draw_sizes,
@@ -42,26 +44,11 @@ MODES = ["pull", "push"]
 #: store jobs follow NIXL's three fields.
 LOADS, STORES = 12, 13
 
-LAYOUTS: dict[str, Any] = {
-    "llama": "llama",
-    "gpt-oss": [("full", 0), ("sliding_window", 16)],
-    "qwen3.5, prefix caching off": [("full", 0)] + [("mamba", 0)] * 3,
-}
+LAYOUTS = CONNECTOR_LAYOUTS
 
 
 def spec_for(layout: str, mode: str = "pull", **kwargs: Any) -> SchedulerSpec:
-    kwargs = {
-        "nixl_transfer_mode": mode,
-        "block_size": 4,
-        "num_blocks": 200,
-        "max_num_batched_tokens": 48,
-        "max_model_len": 512,
-        "kv_events": True,
-        "nixl": True,
-        "enable_caching": not layout.endswith("prefix caching off"),
-        **kwargs,
-    }
-    return SchedulerSpec(layout=LAYOUTS[layout], **kwargs)
+    return connector_spec(layout, **{"nixl": True, "nixl_transfer_mode": mode, **kwargs})
 
 
 @pytest.mark.parametrize(
@@ -96,8 +83,12 @@ def test_the_driver_refuses_connector_specs_it_cannot_build(
     unknown mode or a negative CPU tier is refused when the spec is made."""
     with pytest.raises(ValueError, match=message):
         SchedulerSpec(**fields)
+
+
+def test_nixl_configs_name_the_mode_and_nixl_with_offloading_is_one_connector() -> None:
     with pytest.raises(ValueError, match="'pull' or 'push'"):
         nixl.kv_transfer_config("pulled")
+    assert nixl.kv_transfer_config("push").kv_connector == "NixlPushConnector"
     assert SchedulerSpec(nixl=True, kv_offloading=4).has_kv_connector
 
 
