@@ -376,3 +376,73 @@ def test_block_views_for_kv_connectors() -> None:
         c.get_blocks("a").blocks  # noqa: B018
     assert c.empty_kv_cache_blocks.blocks == ((), ())
     assert c.get_blocks("unknown", True).blocks == ((), ())
+
+
+def test_mamba_boundary_states_are_offered_by_block_id() -> None:
+    """``take_boundary_state_offloads`` (what vLLM's CPU offloading stores Mamba states
+    from): each Mamba state a pass registers as a full block, ``(group, block, tokens it
+    follows)``, each request's in group order then column order; drained by the call, and a
+    request freed (or popped for a deferred free) before it is drained is left out."""
+    groups = [KVCacheGroup("full", 4), KVCacheGroup("mamba", 4), KVCacheGroup("mamba", 4)]
+    c = core(32, 4, groups)
+    assert c.take_boundary_state_offloads() == {}
+    a = request("a", [h(1), h(2), h(3), h(4)], 17)
+    assert c.allocate_for_request(a, 8) is not None  # states after 4 and 8 tokens
+    _, m1, m2 = c.get_block_ids("a")
+    assert (m1[0], m2[0]) == (0, 0)  # the state after 4 tokens is overwritten: null
+    offers = c.take_boundary_state_offloads()
+    assert offers == {"a": [(1, m1[1], 8), (2, m2[1], 8)]}
+    assert c.take_boundary_state_offloads() == {}
+    # Two passes of one request before a drain: group by group, then in pass order.
+    a.num_computed_tokens = 8
+    assert c.allocate_for_request(a, 4) is not None  # the state after 12 tokens
+    a.num_computed_tokens = 12
+    b = request("b", [h(7), h(8)], 9)
+    assert c.allocate_for_request(b, 8) is not None
+    assert c.allocate_for_request(a, 4) is not None  # the state after 16 tokens
+    _, m1, m2 = c.get_block_ids("a")
+    _, b1, b2 = c.get_block_ids("b")
+    assert c.take_boundary_state_offloads() == {
+        "a": [(1, m1[2], 12), (1, m1[3], 16), (2, m2[2], 12), (2, m2[3], 16)],
+        "b": [(1, b1[1], 8), (2, b2[1], 8)],
+    }
+    # Undrained offers of a freed request go with it; the others stay.
+    c.new_step_starts()
+    d = request("d", [h(5), h(6)], 9)
+    assert c.allocate_for_request(d, 8) is not None
+    e = request("e", [h(9)], 5)
+    assert c.allocate_for_request(e, 4) is not None
+    c.free("d")
+    _, e1, e2 = c.get_block_ids("e")
+    assert c.take_boundary_state_offloads() == {"e": [(1, e1[0], 4), (2, e2[0], 4)]}
+    assert c.allocate_for_request(request("f", [h(4)], 5), 4) is not None
+    c.pop_blocks_for_free("f")
+    assert c.take_boundary_state_offloads() == {}
+    # Without prefix caching nothing is registered, so nothing is offered.
+    off = core(32, 4, groups, enable_caching=False)
+    assert off.allocate_for_request(request("a", [h(1), h(2)], 9), 8) is not None
+    assert off.take_boundary_state_offloads() == {}
+
+
+def test_per_group_lookup_lets_groups_disagree() -> None:
+    """``lookup_per_group`` (vLLM's per-group search for NIXL): full attention and a Mamba
+    group each report their own longest hit, where the joint ``lookup`` takes the shorter.
+    A 13-token request computed in chunks of 8 and 5 tokens leaves three full blocks but
+    Mamba states only after 8 tokens (the second chunk's running state ends at 13). A group
+    with nothing cached reports 0; without prefix caching every group does."""
+    c = core(32, 4, [KVCacheGroup("full", 4), KVCacheGroup("mamba", 4)])
+    hashes = [h(1), h(2), h(3)]
+    assert c.allocate_for_request(request("a", hashes, 13), 8) is not None
+    a = request("a", hashes, 13, computed=8)
+    assert c.allocate_for_request(a, 5) is not None
+    full, mamba = c.get_block_ids("a")
+    c.free("a")
+    c.new_step_starts()
+    blocks, lengths = c.lookup_per_group(hashes, 12)
+    assert (blocks.get_block_ids(), lengths) == ((full[:3], [0, mamba[1]]), [12, 8])
+    hits, num_hit, _ = c.lookup(hashes, 12)
+    assert (hits.get_block_ids(), num_hit) == ((full[:2], [0, mamba[1]]), 8)
+    assert c.lookup_per_group(hashes, 7)[1] == [4, 0]
+    assert c.lookup_per_group([h(99)], 12)[1] == [0, 0]
+    off = core(32, 4, [KVCacheGroup("full", 4), KVCacheGroup("mamba", 4)], enable_caching=False)
+    assert off.lookup_per_group(hashes, 12)[1] == [0, 0]

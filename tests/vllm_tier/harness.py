@@ -186,6 +186,7 @@ CONNECTOR_LAYOUTS: dict[str, Any] = {
     "llama": [("full", 0)],
     "gpt-oss": [("full", 0), ("sliding_window", 16)],
     "qwen3.5, prefix caching off": [("full", 0)] + [("mamba", 0)] * 3,
+    "qwen3.5": [("full", 0)] + [("mamba", 0)] * 3,
 }
 
 

@@ -155,17 +155,6 @@ CONFIG_CASES: dict[str, tuple[str, Callable[[Any], None]]] = {
     ),
     "scheduler_cls": ("scheduler_cls", setter("scheduler_config.scheduler_cls", "my.Scheduler")),
     "encoder_decoder": ("encoder_decoder", setter("model_config.is_encoder_decoder", True)),
-    # CPU offloading runs, and so does Mamba prefix caching, but not together.
-    "offloading with Mamba prefix caching": (
-        "mamba_prefix_caching",
-        lambda config: (
-            setter(
-                "kv_transfer_config",
-                SimpleNamespace(kv_connector="OffloadingConnector", kv_connector_module_path=None),
-            )(config),
-            setter("cache_config.mamba_cache_mode", "align")(config),
-        ),
-    ),
 }
 
 

@@ -19,9 +19,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 import kvblocks.vllm
 from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler, nixl
+from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from tests.vllm_tier.harness import (
     CONNECTOR_LAYOUTS,
     RequestSpec,
@@ -150,6 +152,33 @@ def test_disaggregated_prefill_and_decode(
         }
     if not layout.endswith("prefix caching off"):
         assert_partly_cached_decode_requests(records, script, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_divergent_hybrid_hits(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str, async_scheduling: bool
+) -> None:
+    """With Mamba prefix caching NIXL takes vLLM's per-group lookup: on a small pool a
+    prompt's full-attention blocks often outlive its Mamba states or the reverse, the hit
+    *diverges*, and a decode request is admitted with the full-attention hit, its Mamba
+    state coming with the remote KV (the lists differ in length). Both managers must flag
+    the same divergences (counted by wrapping each one's lookup) and decide alike after."""
+    counts: dict[str, list[bool]] = {"stock": [], "ours": []}
+    for name, cls in (("stock", VllmKVCacheManager), ("ours", KVCacheManager)):
+        lookup = cls.get_computed_blocks_for_connector
+
+        def counted(self: Any, *args: Any, _lookup: Any = lookup, _name: str = name) -> Any:
+            found = _lookup(self, *args)
+            counts[_name].append(found[3])
+            return found
+
+        monkeypatch.setattr(cls, "get_computed_blocks_for_connector", counted)
+    spec = spec_for("qwen3.5", mode, num_blocks=60, async_scheduling=async_scheduling)
+    stock, ours = both(model_dir, disaggregated_script(spec, 24, seed=5))
+    assert_same(stock, ours)
+    assert counts["ours"] == counts["stock"]
+    assert sum(counts["stock"]) >= 10, "hits diverge"
+    assert_decode_requests_got_remote_kv(records_of(stock), mode)
 
 
 @pytest.mark.parametrize("mode", MODES)

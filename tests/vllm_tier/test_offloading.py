@@ -36,6 +36,7 @@ LAYOUTS: dict[str, list[tuple[str, int]]] = {
     "llama": [("full", 0)],
     "gpt-oss": [("full", 0), ("sliding_window", 16)],
     "llama4": [("chunked_local", 32), ("full", 0)],
+    "qwen3.5": [("full", 0)] + [("mamba", 0)] * 3,
 }
 
 
@@ -87,9 +88,14 @@ def test_cpu_hits_after_a_gpu_reset(model_dir: Path, layout: str, async_scheduli
     assert jobs(stock, STORES), "blocks are stored to the CPU tier"
     assert jobs(stock, LOADS), "and loaded back after the reset"
     assert "BlockStored" in cpu_events(stock)
+    mamba = [g for g, (kind, _) in enumerate(LAYOUTS[layout]) if kind == "mamba"]
+    if mamba:
+        # Mamba states reach the CPU tier only as the manager's boundary-state offers.
+        assert all(any(job[2][1][g] for job in jobs(stock, STORES)) for g in mamba)
+        assert all(any(job[2][1][g] for job in jobs(stock, LOADS)) for g in mamba)
 
 
-@pytest.mark.parametrize("layout", ["llama", "gpt-oss"])
+@pytest.mark.parametrize("layout", ["llama", "gpt-oss", "qwen3.5"])
 def test_small_pools_preempt_and_evict(
     model_dir: Path, layout: str, async_scheduling: bool
 ) -> None:
@@ -116,12 +122,18 @@ def test_featured_script(model_dir: Path, async_scheduling: bool) -> None:
     assert jobs(stock, STORES)
 
 
-@pytest.mark.parametrize("layout", ["llama", "gpt-oss"])
+#: Per soaked layout, the GPU pool (blocks) and the CPU tier (chunks): sizes that preempt,
+#: evict and load back (the Mamba states take a chunk each).
+SOAK_SIZES = {"llama": (41, 30), "gpt-oss": (81, 30), "qwen3.5": (81, 120)}
+
+
+@pytest.mark.parametrize("layout", list(SOAK_SIZES))
 def test_soak(model_dir: Path, layout: str, async_scheduling: bool) -> None:
+    num_blocks, cpu_chunks = SOAK_SIZES[layout]
     spec = spec_for(
         layout,
-        num_blocks=40 * len(LAYOUTS[layout]) + 1,
-        kv_offloading=30,
+        num_blocks=num_blocks,
+        kv_offloading=cpu_chunks,
         max_num_batched_tokens=24,
         max_num_seqs=8,
         async_scheduling=async_scheduling,
@@ -133,11 +145,13 @@ def test_soak(model_dir: Path, layout: str, async_scheduling: bool) -> None:
     assert jobs(stock, FLUSHED)
 
 
-def test_the_connector_runs_on_kvblocks(model_dir: Path) -> None:
-    """What status() says, and that the connector got kvblocks' manager and its blocks."""
+@pytest.mark.parametrize("layout", ["gpt-oss", "qwen3.5"])
+def test_the_connector_runs_on_kvblocks(model_dir: Path, layout: str) -> None:
+    """What status() says, and that the connector got kvblocks' manager and its blocks
+    (with Mamba prefix caching too)."""
     kvblocks.vllm.install("all")
     _state.fallbacks.clear()
-    scheduler = make_scheduler(model_dir, spec_for("gpt-oss"))
+    scheduler = make_scheduler(model_dir, spec_for(layout))
     manager = scheduler.kv_cache_manager
     assert type(manager).__module__ == "kvblocks.vllm.kv_cache_manager"
     assert scheduler.connector is not None

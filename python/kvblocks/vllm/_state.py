@@ -93,7 +93,7 @@ _TEXTS = {
     Reason.CONTEXT_PARALLEL: "decode or prefill context parallelism",
     Reason.METRICS_COLLECTOR: "the KV-cache metrics collector (--kv-cache-metrics)",
     Reason.MAMBA_PREFIX_CACHING: "prefix caching with Mamba or linear-attention groups together "
-    "with a KV connector or lookahead hashing of two or more tokens, or a mamba_cache_mode "
+    "with lookahead hashing of two or more tokens, or a mamba_cache_mode "
     'other than vLLM\'s ("align" with prefix caching, "none" without)',
     Reason.HASH_ALGO: "a prefix-caching hash algorithm other than vLLM's four",
     Reason.SCHEDULER_CLS: "a custom scheduler class",

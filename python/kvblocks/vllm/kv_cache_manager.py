@@ -237,10 +237,22 @@ class KVCacheManager:
             (get_kv_cache_spec_kind(spec).value, get_kv_cache_spec_sliding_window(spec))
             for spec in specs
         )
+        lookup_sets = _lookup_sets(kv_cache_config)
+        # vLLM's hybrid coordinator's full_attention_group_id, where a connector's lookup
+        # searches each group on its own (a model with Mamba layers, prefix caching on).
+        first = lookup_sets[0][0]
+        self._connector_reference_group: int | None = (
+            first
+            if enable_caching
+            and len(groups) > 1
+            and kv_cache_config.has_mamba_layers
+            and isinstance(specs[first], FullAttentionSpec)
+            else None
+        )
         self._core = KVCacheCore(
             kv_cache_config.num_blocks,
             [_engine_group(g, in_flight, max_model_len) for g in groups],
-            lookup_sets=_lookup_sets(kv_cache_config),
+            lookup_sets=lookup_sets,
             max_model_len=max_model_len,
             enable_caching=enable_caching,
             enable_events=enable_kv_cache_events,
@@ -300,13 +312,24 @@ class KVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlockIds, int, int, bool]:
-        """vLLM's lookup for a KV connector that accepts divergent hybrid hits (NIXL): its
-        per-group search applies only to Mamba groups with prefix caching, which kvblocks
-        refuses with a connector, so it is ``get_computed_blocks`` and no divergence."""
-        blocks, num_tokens, shared_prefix_boundary = self.get_computed_blocks(
-            request, max_cache_hit_length
-        )
-        return blocks, num_tokens, shared_prefix_boundary, False
+        """vLLM's lookup for a KV connector that accepts hybrid hits diverging between groups
+        (NIXL): in a model with Mamba layers and a full-attention group, each group is
+        searched on its own; the full-attention hit is the local prefix (the connector sends
+        the rest, Mamba state included) and the fourth value says whether a group's hit is
+        shorter. A group hitting deeper than full attention (whose blocks were evicted), or
+        any other model, gets ``get_computed_blocks`` and no divergence. The per-group search
+        reports no uncached shared prefix (boundary 0) and no full-report events."""
+        reference = self._connector_reference_group
+        if reference is None:
+            return *self.get_computed_blocks(request, max_cache_hit_length), False
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        blocks, lengths = self._core.lookup_per_group(request.block_hashes, limit)
+        num_local = lengths[reference]
+        if max(lengths) > num_local:
+            return *self.get_computed_blocks(request, max_cache_hit_length), False
+        return blocks, num_local, 0, min(lengths) < num_local
 
     def allocate_slots(
         self,
@@ -437,8 +460,12 @@ class KVCacheManager:
         """Hits are block-aligned here: no block is copied on write."""
         return [], []
 
-    def take_boundary_state_offloads(self) -> dict[str, Any]:
-        return {}
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """vLLM's: ``{request_id: [(group_id, block_id, num_tokens), ...]}``, the Mamba states
+        (prefix caching on) registered at block boundaries since the last call, which a KV
+        connector may offload (vLLM's CPU offloading stores Mamba states only from these)."""
+        offloads: dict[str, list[tuple[int, int, int]]] = self._core.take_boundary_state_offloads()
+        return offloads
 
     # vLLM's own code where it only reads what this class sets the same way.
     get_num_common_prefix_blocks = VllmKVCacheManager.get_num_common_prefix_blocks

@@ -64,7 +64,7 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     detail = None
     try:
         reason = unsupported_config(vllm_config, allowed_scheduler_cls=(Scheduler, AsyncScheduler))
-        if reason in (Reason.KV_CONNECTOR, Reason.MAMBA_PREFIX_CACHING):
+        if reason is Reason.KV_CONNECTOR:
             detail = connector_name(vllm_config.kv_transfer_config)
     except Exception as error:  # an unexpected config shape: never break vLLM's start-up
         reason, detail = Reason.GUARD_ERROR, _state.error_detail(error)

@@ -11,7 +11,7 @@ option it does not know included, falls back to vLLM's own manager:
   divides the scheduler's;
 - Mamba groups in vLLM's ``mamba_cache_mode="none"`` without prefix caching and in its
   "align" mode with it (the Mamba block size then the hash block size, as vLLM sets it; not
-  with a KV connector, nor with lookahead hashing of two or more tokens), and KV-cache
+  with lookahead hashing of two or more tokens), and KV-cache
   zeroing (which Mamba layers and mixed-precision caches need) as vLLM does it;
 - vLLM's unitary, hybrid and no-prefix-cache coordinators (any number of such groups, prefix
   caching on or off);
@@ -198,9 +198,6 @@ def unsupported_config(
     if transfer is not None and not _is_served_connector(transfer):
         return Reason.KV_CONNECTOR
     cache = vllm_config.cache_config
-    if transfer is not None and cache.enable_prefix_caching and cache.mamba_cache_mode == "align":
-        # Connectors read vLLM's align-mode boundary-state offers and partial tails.
-        return Reason.MAMBA_PREFIX_CACHING
     if vllm_config.ec_transfer_config is not None:
         return Reason.EC_CONNECTOR
     if vllm_config.aux_output_config.enabled:

@@ -26,8 +26,8 @@ pub use hashing::{
     RequestKeys, DEFAULT_SEED, HASH_ALGORITHMS,
 };
 pub use kv_cache::{
-    AllocateArgs, AttentionKind, CacheHit, EngineConfig, GroupBlocks, GroupSpec, HashSource,
-    KvCacheEngine, KvCacheManager, ManagerEvent, RequestBlocks, RequestState,
+    AllocateArgs, AttentionKind, BoundaryState, CacheHit, EngineConfig, GroupBlocks, GroupSpec,
+    HashSource, KvCacheEngine, KvCacheManager, ManagerEvent, RequestBlocks, RequestState,
 };
 pub use manager::{
     BlockManager, ManagerConfig, PlannedStep, StepBuffers, StepInput, StepOutput, StepResult,

@@ -15,7 +15,7 @@ use kvblocks_core::{
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard};
 
 /// One KV-cache group: the attention kind whose rules manage its blocks.
@@ -501,6 +501,21 @@ impl PyKvCacheCore {
         Ok((self.blocks(py, hit.blocks)?, hit.num_tokens, hit.num_uncached_common))
     }
 
+    /// vLLM's `find_longest_cache_hit_per_group`: each group's own longest cached prefix
+    /// of `block_hashes` (at most `max_length` tokens), the groups not agreeing on one
+    /// length: `(blocks, hit lengths per group)`.
+    #[pyo3(signature = (block_hashes, max_length, /))]
+    fn lookup_per_group<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        max_length: usize,
+    ) -> GlueResult<(Py<PyKvCacheBlockIds>, Vec<usize>)> {
+        let (blocks, lengths) =
+            self.lock()?.lookup_per_group(&hashes_arg(block_hashes)?, max_length)?;
+        Ok((self.blocks(py, blocks)?, lengths))
+    }
+
     /// vLLM's `KVCacheManager.allocate_slots`, called by vLLM's scheduler directly: reads
     /// the request's id, block hashes, token counts and status, and returns the new blocks
     /// (the shared empty result when there are none), or `None` when the pool is too full.
@@ -712,6 +727,23 @@ impl PyKvCacheCore {
     fn take_new_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let ids = self.lock()?.take_new_block_ids();
         PyList::new(py, ids)
+    }
+
+    /// vLLM's `take_boundary_state_offloads`: `{request_id: [(group_id, block_id,
+    /// num_tokens), ...]}` for the Mamba states (prefix caching on) registered as full blocks
+    /// since the last call, which a KV connector may offload; each request's in group order,
+    /// then in the order they were registered. A freed request's are left out.
+    fn take_boundary_state_offloads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let states = self.lock()?.take_boundary_states();
+        let out = PyDict::new(py);
+        for (request_id, state) in states {
+            let entry = (state.group, state.block, state.num_tokens);
+            match out.get_item(&request_id)? {
+                Some(list) => list.cast::<PyList>()?.append(entry)?,
+                None => out.set_item(request_id, PyList::new(py, [entry])?)?,
+            }
+        }
+        Ok(out)
     }
 
     /// The events since the last call, oldest first: `("removed", hash, group)`,

@@ -192,6 +192,36 @@ pub(crate) fn find_longest_cache_hit(
     }
 }
 
+/// vLLM's `find_longest_cache_hit_per_group`: each lookup set searched on its own, over at
+/// most `max_length` tokens (with the EAGLE drop, one block more, as far as the hashes go),
+/// with no agreement between sets. Per group, its blocks and its hit length in tokens.
+pub(crate) fn find_cache_hit_per_group(
+    search: &Search<'_>,
+    sets: &[LookupSet],
+    num_groups: usize,
+    max_length: usize,
+) -> (Vec<Vec<u32>>, Vec<usize>) {
+    let mut blocks = vec![Vec::new(); num_groups];
+    let mut lengths = vec![0; num_groups];
+    for set in sets {
+        let limit = if set.drop_eagle && !set.kind.is_mamba() {
+            max_length
+                .saturating_add(search.block_size)
+                .min(search.hashes.len() * search.block_size)
+        } else {
+            max_length
+        };
+        let hit = find_for_kind(search, set.kind, limit, &set.groups, set.drop_eagle);
+        for (&g, group_blocks) in set.groups.iter().zip(hit.blocks) {
+            if let (Some(slot), Some(length)) = (blocks.get_mut(g), lengths.get_mut(g)) {
+                *slot = group_blocks;
+                *length = hit.num_tokens;
+            }
+        }
+    }
+    (blocks, lengths)
+}
+
 /// vLLM's hybrid coordinator: every lookup set either accepts the candidate length or
 /// shortens it, and a shortening restarts the round, until the length holds for all.
 fn hybrid_hit(

@@ -9,7 +9,9 @@
 //! and group, its block table and how many of its blocks are registered in the cache.
 
 use super::RequestState;
-use super::{AllocateArgs, CacheHit, EngineConfig, HashSource, KvCacheEngine, RequestBlocks};
+use super::{
+    AllocateArgs, BoundaryState, CacheHit, EngineConfig, HashSource, KvCacheEngine, RequestBlocks,
+};
 use crate::hashing::BlockHash;
 use crate::pool::{BlockPool, DigestHasher, KvEvent};
 use crate::CoreResult;
@@ -33,6 +35,9 @@ pub struct KvCacheManager {
     engine: KvCacheEngine,
     requests: IdMap<RequestBlocks>,
     events: Vec<ManagerEvent>,
+    /// Mamba states registered since the last [`Self::take_boundary_states`], with the
+    /// request that registered each, in call order.
+    boundary_states: Vec<(String, BoundaryState)>,
 }
 
 impl KvCacheManager {
@@ -41,6 +46,7 @@ impl KvCacheManager {
             engine: KvCacheEngine::new(config)?,
             requests: IdMap::default(),
             events: Vec::new(),
+            boundary_states: Vec::new(),
         })
     }
 
@@ -68,6 +74,15 @@ impl KvCacheManager {
         max_length: usize,
     ) -> CoreResult<CacheHit> {
         self.engine.find_longest_cache_hit(hashes, max_length)
+    }
+
+    /// vLLM's per-group search (see [`KvCacheEngine::find_cache_hit_per_group`]).
+    pub fn lookup_per_group(
+        &self,
+        hashes: &(impl HashSource + ?Sized),
+        max_length: usize,
+    ) -> CoreResult<(Vec<Vec<u32>>, Vec<usize>)> {
+        self.engine.find_cache_hit_per_group(hashes, max_length)
     }
 
     /// vLLM's `allocate_slots` for the request `request_id`. Returns the blocks newly
@@ -99,6 +114,7 @@ impl KvCacheManager {
         }
         allocated?;
         self.drain_events(request_id);
+        self.keep_boundary_states(request_id);
         Ok(new)
     }
 
@@ -114,6 +130,7 @@ impl KvCacheManager {
         let Some(held) = self.requests.get_mut(request_id) else { return Ok(()) };
         self.engine.cache_blocks(held, request, num_tokens, hashes)?;
         self.drain_events(request_id);
+        self.keep_boundary_states(request_id);
         Ok(())
     }
 
@@ -132,12 +149,37 @@ impl KvCacheManager {
         if let Some(held) = self.requests.remove(request_id) {
             self.engine.free(held);
         }
+        self.drop_boundary_states(request_id);
     }
 
     /// vLLM's `pop_blocks_for_free`: forgets the request and returns its blocks, still held
     /// (see [`KvCacheEngine::pop_blocks_for_free`]); empty for an unknown id.
     pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Vec<u32> {
+        self.drop_boundary_states(request_id);
         self.requests.remove(request_id).map(KvCacheEngine::pop_blocks_for_free).unwrap_or_default()
+    }
+
+    /// vLLM's `take_boundary_state_offloads`: the Mamba states registered as full blocks
+    /// since the last call, group by group (each group's in the order they were registered),
+    /// with their requests; a freed request's states are gone (their blocks may be reused).
+    pub fn take_boundary_states(&mut self) -> Vec<(String, BoundaryState)> {
+        let mut states = std::mem::take(&mut self.boundary_states);
+        states.sort_by_key(|(_, state)| state.group);
+        states
+    }
+
+    fn keep_boundary_states(&mut self, request_id: &str) {
+        let states = self.engine.last_boundary_states();
+        if !states.is_empty() {
+            let owned = states.iter().map(|&state| (request_id.to_owned(), state));
+            self.boundary_states.extend(owned);
+        }
+    }
+
+    fn drop_boundary_states(&mut self, request_id: &str) {
+        if !self.boundary_states.is_empty() {
+            self.boundary_states.retain(|(id, _)| id != request_id);
+        }
     }
 
     /// vLLM's `BlockPool.free_blocks` (see [`KvCacheEngine::free_blocks`]).

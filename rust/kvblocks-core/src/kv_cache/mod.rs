@@ -158,6 +158,19 @@ pub struct KvCacheEngine {
     /// The keys Mamba groups registered since the scheduler step began (see
     /// [`Self::new_step_starts`]).
     cached_this_step: mamba::StepKeys,
+    /// The Mamba states the last `allocate_slots` or `cache_blocks` registered as full
+    /// blocks (see [`Self::last_boundary_states`]).
+    boundary_states: Vec<BoundaryState>,
+}
+
+/// A Mamba state at a block boundary that a `cache_blocks` pass registered (vLLM's
+/// align-mode boundary-state offer, which a KV connector may offload by block id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BoundaryState {
+    pub group: u32,
+    pub block: u32,
+    /// The tokens the state follows (the block's key covers them).
+    pub num_tokens: usize,
 }
 
 impl KvCacheEngine {
@@ -195,6 +208,7 @@ impl KvCacheEngine {
             align,
             any_align,
             cached_this_step: mamba::StepKeys::default(),
+            boundary_states: Vec::new(),
         })
     }
 
@@ -224,12 +238,39 @@ impl KvCacheEngine {
         if !self.config.enable_caching {
             return Ok(CacheHit::empty(self.num_groups()));
         }
-        let needed = hashes.len().min((max_length / self.config.block_size()).saturating_add(1));
-        let prefix: Vec<BlockHash> =
-            (0..needed).map(|i| hashes.get(i)).collect::<CoreResult<_>>()?;
+        let prefix = self.lookup_prefix(hashes, max_length)?;
         let block_size = self.config.block_size();
         let search = hit::Search { pool: &self.pool, hashes: &prefix, block_size };
         Ok(hit::find_longest_cache_hit(&search, &self.sets, self.num_groups(), max_length))
+    }
+
+    /// vLLM's `find_longest_cache_hit_per_group` (the lookup for a KV connector that accepts
+    /// hybrid hits diverging between groups): each group's own longest hit, at most
+    /// `max_length` tokens long, and its length; the groups need not agree. Takes no
+    /// references.
+    pub fn find_cache_hit_per_group(
+        &self,
+        hashes: &(impl HashSource + ?Sized),
+        max_length: usize,
+    ) -> CoreResult<(Vec<Vec<u32>>, Vec<usize>)> {
+        if !self.config.enable_caching {
+            return Ok((vec![Vec::new(); self.num_groups()], vec![0; self.num_groups()]));
+        }
+        let prefix = self.lookup_prefix(hashes, max_length)?;
+        let block_size = self.config.block_size();
+        let search = hit::Search { pool: &self.pool, hashes: &prefix, block_size };
+        Ok(hit::find_cache_hit_per_group(&search, &self.sets, self.num_groups(), max_length))
+    }
+
+    /// The request's hashes a lookup of at most `max_length` tokens reads (one block past
+    /// it, for an EAGLE group's dropped block).
+    fn lookup_prefix(
+        &self,
+        hashes: &(impl HashSource + ?Sized),
+        max_length: usize,
+    ) -> CoreResult<Vec<BlockHash>> {
+        let needed = hashes.len().min((max_length / self.config.block_size()).saturating_add(1));
+        (0..needed).map(|i| hashes.get(i)).collect()
     }
 
     /// The hits must have the shape a lookup gives: one list per group of cached blocks,
@@ -377,6 +418,7 @@ impl KvCacheEngine {
         before_new_blocks: impl FnOnce(&mut BlockPool, &mut RequestBlocks),
     ) -> CoreResult<bool> {
         self.registered.clear();
+        self.boundary_states.clear();
         if args.num_new_tokens == 0
             && args.num_new_computed_tokens == 0
             && args.num_external_computed_tokens == 0
@@ -586,6 +628,7 @@ impl KvCacheEngine {
         hashes: &(impl HashSource + ?Sized),
     ) -> CoreResult<()> {
         self.registered.clear();
+        self.boundary_states.clear();
         let keys = self.read_keys(held, hashes, num_computed)?;
         if keys.end > keys.first || self.tail_may_act(held, request, num_computed) {
             self.cache_with_keys(held, request, num_computed, &keys, hashes);
@@ -683,11 +726,15 @@ impl KvCacheEngine {
             };
             let hash = |i: usize| keys.get(i).or_else(|| hashes.get(i).ok());
             let tail_key = mamba::cache_tail(align, &mut self.pool, blocks, &tail, hash);
-            // No request may adopt a state registered during this step.
+            // No request may adopt a state registered during this step; each state the pass
+            // registered as a full block (keyed now, by it or by an earlier tail step) is
+            // offered, in column order.
             self.cached_this_step.extend(tail_key);
             for &block in blocks.blocks.get(done..full).unwrap_or_default() {
                 if let Some(key) = self.pool.key(block) {
                     self.cached_this_step.insert(*key);
+                    let num_tokens = self.pool.key_num_tokens(block);
+                    self.boundary_states.push(BoundaryState { group: g as u32, block, num_tokens });
                 }
             }
         }
@@ -822,5 +869,11 @@ impl KvCacheEngine {
     /// What the last `allocate_slots` or `cache_blocks` call registered, per group.
     pub fn last_registered(&self) -> &[Registered] {
         &self.registered
+    }
+
+    /// The Mamba states the last `allocate_slots` or `cache_blocks` call registered as full
+    /// blocks, in group then column order (with prefix caching in Mamba groups only).
+    pub fn last_boundary_states(&self) -> &[BoundaryState] {
+        &self.boundary_states
     }
 }
