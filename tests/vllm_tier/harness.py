@@ -192,14 +192,19 @@ CONNECTOR_LAYOUTS: dict[str, Any] = {
 
 def connector_spec(layout: str, **kwargs: Any) -> SchedulerSpec:
     """A :data:`CONNECTOR_LAYOUTS` layout on small blocks, KV events on, prefix caching as
-    the layout's name says; ``kwargs`` choose the connector and override the rest."""
+    the layout's name says (Mamba groups then with prefill checkpoints on the block grid, as
+    Qwen3.5's gated delta-net exports them); ``kwargs`` choose the connector and override the
+    rest."""
+    caching = not layout.endswith("prefix caching off")
+    mamba = any(kind == "mamba" for kind, _ in CONNECTOR_LAYOUTS[layout])
     kwargs = {
         "block_size": 4,
         "num_blocks": 200,
         "max_num_batched_tokens": 48,
         "max_model_len": 512,
         "kv_events": True,
-        "enable_caching": not layout.endswith("prefix caching off"),
+        "enable_caching": caching,
+        "mamba_checkpoint_alignment": 4 if caching and mamba else None,
         **kwargs,
     }
     return SchedulerSpec(layout=CONNECTOR_LAYOUTS[layout], **kwargs)

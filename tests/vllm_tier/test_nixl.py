@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 import kvblocks.vllm
-from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler, nixl
+from kvblocks.vllm.bench_driver import SchedulerSpec, Speculation, make_scheduler, nixl
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from tests.vllm_tier.harness import (
     CONNECTOR_LAYOUTS,
@@ -179,6 +179,30 @@ def test_divergent_hybrid_hits(
     assert counts["ours"] == counts["stock"]
     assert sum(counts["stock"]) >= 10, "hits diverge"
     assert_decode_requests_got_remote_kv(records_of(stock), mode)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+@pytest.mark.parametrize("mode", MODES)
+def test_speculative_decoding_with_mamba_prefix_caching(
+    model_dir: Path, mode: str, method: str, async_scheduling: bool
+) -> None:
+    """Draft tokens on the qwen3.5 layout with its Mamba states cached: each request's
+    Mamba table also holds the draft states' blocks, and before admitting a load the
+    scheduler reserves what every loading request still needs, counting a Mamba group by the
+    main model's tokens and the prefill's checkpoint (a small pool, so that reservations
+    decide admissions)."""
+    spec = spec_for(
+        "qwen3.5",
+        mode,
+        num_blocks=60,
+        speculative=Speculation(method, 3),
+        async_scheduling=async_scheduling,
+    )
+    stock, ours = both(model_dir, disaggregated_script(spec, 24, seed=5))
+    assert_same(stock, ours)
+    records = records_of(stock)
+    assert_decode_requests_got_remote_kv(records, mode)
+    assert any(record[0][RECV] and record[0][SEND] for record in records)
 
 
 @pytest.mark.parametrize("mode", MODES)

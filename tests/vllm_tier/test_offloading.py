@@ -47,6 +47,8 @@ def spec_for(layout: str, **kwargs: Any) -> SchedulerSpec:
         "kv_offloading": 48,
         "kv_events": True,
         "max_num_batched_tokens": 48,
+        # Mamba groups with prefill checkpoints on the block grid, as Qwen3.5's
+        "mamba_checkpoint_alignment": 4 if layout == "qwen3.5" else None,
         **kwargs,
     }
     return SchedulerSpec(layout=LAYOUTS[layout], **kwargs)

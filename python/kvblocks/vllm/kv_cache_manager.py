@@ -115,7 +115,12 @@ class _Coordinator:
         if any(new_computed_blocks) or num_encoder_tokens:
             raise ValueError("kvblocks answers get_num_blocks_to_allocate without new hits only")
         blocks: int = self._core.num_blocks_to_allocate(
-            request_id, num_tokens, total_computed_tokens, apply_admission_cap
+            request_id,
+            num_tokens,
+            total_computed_tokens,
+            apply_admission_cap,
+            num_tokens_main_model,
+            prefill_end,
         )
         return blocks
 

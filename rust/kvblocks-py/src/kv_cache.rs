@@ -596,19 +596,29 @@ impl PyKvCacheCore {
     }
 
     /// vLLM's coordinator `get_num_blocks_to_allocate` for a request without new hits: the
-    /// blocks it needs for `num_tokens` slots with `total_computed_tokens` computed tokens.
-    #[pyo3(signature = (request_id, num_tokens, total_computed_tokens, apply_admission_cap = false))]
+    /// blocks it needs for `num_tokens` slots (`num_tokens_main_model` of them the main
+    /// model's, all by default: what a Mamba group counts) with `total_computed_tokens`
+    /// computed tokens, the prefill ending at `prefill_end` (where a Mamba group with
+    /// prefill checkpoints and retention interval 0 places the prompt's).
+    #[pyo3(signature = (
+        request_id, num_tokens, total_computed_tokens, apply_admission_cap = false,
+        num_tokens_main_model = None, prefill_end = 0
+    ))]
     fn num_blocks_to_allocate(
         &self,
         request_id: &str,
         num_tokens: usize,
         total_computed_tokens: usize,
         apply_admission_cap: bool,
+        num_tokens_main_model: Option<usize>,
+        prefill_end: usize,
     ) -> PyResult<i64> {
         Ok(self.lock()?.num_blocks_to_allocate(
             request_id,
             num_tokens,
+            num_tokens_main_model.unwrap_or(num_tokens),
             total_computed_tokens,
+            prefill_end,
             apply_admission_cap,
         ))
     }

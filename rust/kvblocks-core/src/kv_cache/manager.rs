@@ -190,12 +190,14 @@ impl KvCacheManager {
     }
 
     /// vLLM's coordinator `get_num_blocks_to_allocate` for `request_id` without hits (a
-    /// request not seen yet holds nothing).
+    /// request not seen yet holds nothing; see [`KvCacheEngine::num_blocks_to_allocate`]).
     pub fn num_blocks_to_allocate(
         &mut self,
         request_id: &str,
         num_tokens: usize,
+        main: usize,
         total_computed: usize,
+        prefill_end: usize,
         cap: bool,
     ) -> i64 {
         let mut empty;
@@ -206,7 +208,7 @@ impl KvCacheManager {
                 &mut empty
             }
         };
-        self.engine.num_blocks_to_allocate(held, num_tokens, total_computed, cap)
+        self.engine.num_blocks_to_allocate(held, num_tokens, main, total_computed, prefill_end, cap)
     }
 
     /// The request's block table in each group (empty for an unknown id).

@@ -442,12 +442,8 @@ impl KvCacheEngine {
         } else {
             0
         };
-        // vLLM's coordinator drops the prompt's end unless the retention interval is 0.
-        let prefill_end = if self.any_align && self.config.retention_interval == Some(0) {
-            request.num_prompt_tokens.max(request.num_tokens.saturating_sub(1))
-        } else {
-            0
-        };
+        let prefill_end =
+            self.prefill_end(request.num_prompt_tokens.max(request.num_tokens.saturating_sub(1)));
         let free = self.pool.num_free_blocks() as i64;
         if args.full_sequence_must_fit {
             let whole = request.num_tokens.min(max_len);
@@ -817,19 +813,33 @@ impl KvCacheEngine {
     }
 
     /// vLLM's coordinator `get_num_blocks_to_allocate` without hits: the blocks `held` needs
-    /// for `num_tokens` slots with `total_computed` computed tokens (`cap`: the admission
-    /// cap of recycling groups).
+    /// for `num_tokens` slots, `main` of them the main model's (what a Mamba group counts),
+    /// with `total_computed` computed tokens and the prefill ending at `prefill_end` (`cap`:
+    /// the admission cap of recycling groups).
     pub fn num_blocks_to_allocate(
         &self,
         held: &mut RequestBlocks,
         num_tokens: usize,
+        main: usize,
         total_computed: usize,
+        prefill_end: usize,
         cap: bool,
     ) -> i64 {
-        // A Mamba group reads the main model's tokens as the slots (no lookahead slots on
-        // this path); vLLM answers a deferral with one block more than the pool has.
-        self.blocks_needed(held, num_tokens, num_tokens, &[], total_computed, 0, cap)
+        // vLLM answers a deferral with one block more than the pool has.
+        let prefill_end = self.prefill_end(prefill_end);
+        self.blocks_needed(held, num_tokens, main, &[], total_computed, prefill_end, cap)
             .unwrap_or(self.pool.num_blocks() as i64 + 1)
+    }
+
+    /// Where vLLM's Mamba groups place the prompt's checkpoint for a prefill ending at
+    /// `prefill_end`: there with retention interval 0, else nowhere (0; vLLM's coordinator
+    /// drops it).
+    fn prefill_end(&self, prefill_end: usize) -> usize {
+        if self.any_align && self.config.retention_interval == Some(0) {
+            prefill_end
+        } else {
+            0
+        }
     }
 
     /// vLLM's `free`: every group releases the request's blocks, last block first.

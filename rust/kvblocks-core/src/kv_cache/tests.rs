@@ -573,7 +573,7 @@ fn mamba_align_defers_a_hit_cached_in_this_step_and_counts_can_go_negative() {
     step(&mut m, "a", 0, 55, 0, 55, &prompt).unwrap();
     step(&mut m, "a", 55, 17, 0, 56, &prompt).unwrap();
     assert_eq!(table(&m, "a", 1).len(), 5);
-    assert_eq!(m.num_blocks_to_allocate("a", 58, 57, false), -1);
+    assert_eq!(m.num_blocks_to_allocate("a", 58, 58, 57, 0, false), -1);
 }
 
 #[test]
