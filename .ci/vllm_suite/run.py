@@ -64,9 +64,22 @@ TEST_FILES = (
     "tests/v1/core/test_mamba_align_chunk_split.py",
     "tests/v1/core/test_contiguous_kv_packing.py",
     # vLLM's CPU offloading (the OffloadingConnector) driven through the scheduler with a
-    # fake worker side. (Its other test files, and NIXL's, build no scheduler: they drive the
-    # connector with mocks of the manager's results, or need the nixl library.)
+    # fake worker side. (Its other test files build no scheduler: they drive the connector
+    # with mocks of the manager's results.)
     "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py",
+    # The scheduler with NIXL's connector (remote prefill and decode, the connector's
+    # worker side mocked), vLLM's MultiConnector and DecodeBenchConnector, connector
+    # lifecycles, failed and invalid loads. (test_nixl_connector*.py import `ray` and drive
+    # NIXL's worker side, which needs the nixl library; the other connectors' files build
+    # schedulers with connectors kvblocks does not serve, or none.)
+    "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
+    "tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py",
+    "tests/v1/kv_connector/unit/test_multi_connector.py",
+    "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
+    "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
+    "tests/v1/kv_connector/unit/test_decode_bench_connector.py",
 )
 MODES = ("off", "all")
 
