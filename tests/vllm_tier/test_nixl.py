@@ -76,13 +76,18 @@ def test_the_scheduler_gets_nixl_and_kvblocks_serves_it(
         ({"decode_bench": "startup", "kv_offloading": 4}, "one KV connector at a time"),
         ({"decode_bench": "startup", "mooncake": True}, "one KV connector at a time"),
         ({"kv_offloading": -1}, "kv_offloading must be >= 0"),
+        ({"nixl_failed_loads": 3}, "for NIXL alone"),
+        ({"nixl": True, "kv_offloading": 4, "nixl_failed_loads": 3}, "for NIXL alone"),
+        ({"nixl": True, "nixl_failed_loads": -1}, "count >= 0"),
+        ({"nixl": True, "kv_load_failure_policy": "retry"}, "'fail' or 'recompute'"),
     ],
 )
 def test_the_driver_refuses_connector_specs_it_cannot_build(
     fields: dict[str, Any], message: str
 ) -> None:
     """NIXL with CPU offloading is vLLM's MultiConnector; any other pair of connectors, an
-    unknown mode or a negative CPU tier is refused when the spec is made."""
+    unknown mode or policy, a negative CPU tier or failed loads other than NIXL's alone are
+    refused when the spec is made."""
     with pytest.raises(ValueError, match=message):
         SchedulerSpec(**fields)
 
@@ -203,6 +208,41 @@ def test_speculative_decoding_with_mamba_prefix_caching(
     records = records_of(stock)
     assert_decode_requests_got_remote_kv(records, mode)
     assert any(record[0][RECV] and record[0][SEND] for record in records)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.parametrize("layout", ["llama", "qwen3.5"])
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_loads(
+    model_dir: Path, mode: str, layout: str, policy: str, async_scheduling: bool
+) -> None:
+    """Every third load fails as NIXL's worker reports it (the request in ``failed_recving``;
+    with one KV-cache group also its blocks in ``invalid_block_ids``). With vLLM's default
+    policy the request ends with an error; with "recompute" its blocks are freed and it is
+    computed locally (hitting what is cached). The scheduler's failure handling reads the
+    request's blocks (``get_block_ids``) and frees them."""
+    spec = spec_for(
+        layout,
+        mode,
+        nixl_failed_loads=3,
+        kv_load_failure_policy=policy,
+        async_scheduling=async_scheduling,
+    )
+    script = disaggregated_script(spec, 24, seed=3)
+    stock, ours = both(model_dir, script)
+    assert_same(stock, ours)
+    reasons = [o[2] for record in stock[:-1] for o in record[1]]
+    if policy == "fail":
+        assert reasons.count("error") >= 2, "failed loads end their requests"
+    else:
+        assert "error" not in reasons
+        # A loaded decode request computes only its last prompt token; a failed one more.
+        first: dict[str, int] = {}
+        for record in records_of(stock):
+            for rid, tokens in record[0][0]:
+                first.setdefault(rid, tokens)
+        decode = [f"r{i}" for i in range(1, len(script.requests), 3)]
+        assert any(first.get(rid, 0) > 1 for rid in decode), "failed loads computed locally"
 
 
 @pytest.mark.parametrize("mode", MODES)

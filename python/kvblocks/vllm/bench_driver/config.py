@@ -168,6 +168,10 @@ class SchedulerSpec:
     #: NIXL's transfer mode: "pull" (the decode node reads, ``NixlConnector``) or "push" (the
     #: prefill node writes, ``NixlPushConnector``).
     nixl_transfer_mode: str = "pull"
+    #: NIXL alone: every how many completed loads the fake worker side fails one (0: none),
+    #: and vLLM's ``kv_load_failure_policy`` then ("fail", vLLM's default, or "recompute").
+    nixl_failed_loads: int = 0
+    kv_load_failure_policy: str = "fail"
     #: vLLM's ``MooncakeConnector`` in both roles (disaggregated prefill and decode,
     #: :mod:`~kvblocks.vllm.bench_driver.mooncake`); requests say which role theirs is.
     mooncake: bool = False
@@ -197,6 +201,18 @@ class SchedulerSpec:
         if self.nixl_transfer_mode not in ("pull", "push"):
             raise ValueError(
                 f"nixl_transfer_mode is 'pull' or 'push', not {self.nixl_transfer_mode!r}"
+            )
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ValueError(
+                "kv_load_failure_policy is 'fail' or 'recompute', not "
+                f"{self.kv_load_failure_policy!r}"
+            )
+        if self.nixl_failed_loads < 0 or (
+            self.nixl_failed_loads and (not self.nixl or self.kv_offloading)
+        ):
+            raise ValueError(
+                "nixl_failed_loads is a count >= 0 of loads, for NIXL alone, not "
+                f"{self.nixl_failed_loads} (nixl={self.nixl}, kv_offloading={self.kv_offloading})"
             )
         if self.async_scheduling and self.speculative and self.speculative.method == "suffix":
             # V2 does not run suffix decoding, and V1 refuses it with async scheduling.
@@ -248,7 +264,9 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     elif spec.nixl:
         from kvblocks.vllm.bench_driver import nixl
 
-        extra["kv_transfer_config"] = nixl.kv_transfer_config(spec.nixl_transfer_mode)
+        extra["kv_transfer_config"] = nixl.kv_transfer_config(
+            spec.nixl_transfer_mode, spec.nixl_failed_loads, spec.kv_load_failure_policy
+        )
     elif spec.mooncake:
         from kvblocks.vllm.bench_driver import mooncake
 
