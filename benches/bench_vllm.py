@@ -14,9 +14,15 @@ the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
   hashing at arrival and inside the KV-cache manager. Both runs must produce identical
   scheduler outputs; on the layouts every request must run to its end without preemption;
 - the 32-token workload on the one-group layout with n-gram and EAGLE speculative decoding,
-  and with vLLM's native CPU offloading (``--kv-offloading-size``: the OffloadingConnector
-  storing every prompt block to the CPU tier); and on the Mamba hybrids with prefix caching
-  off (``--no-enable-prefix-caching``, vLLM's Mamba cache mode "none").
+  with vLLM's native CPU offloading (``--kv-offloading-size``: the OffloadingConnector
+  storing every prompt block to the CPU tier; also on qwen3.5, whose Mamba states it stores
+  from the manager's boundary-state offers) and with the DecodeBenchConnector; and on the
+  Mamba hybrids with prefix caching off (``--no-enable-prefix-caching``, vLLM's Mamba cache
+  mode "none").
+
+The scheduler-side CPU time is request arrival + ``schedule()`` + ``update_from_output()``
+(+ ``update_draft_token_ids``); the fake model's step, and a connector's fake worker side,
+are not timed.
 
 Every kvblocks case asserts that kvblocks' hasher and KV-cache manager really ran, with no
 fallback to vLLM's code (and every stock case that vLLM's own ran): a fallback would time
@@ -132,7 +138,8 @@ BLOCKS_PER_GROUP = 9216
 SPECULATION = {"n-gram": Speculation("ngram", 3), "EAGLE": Speculation("eagle", 3)}
 #: vLLM's native CPU offloading (``--kv-offloading-size``: the OffloadingConnector with vLLM's
 #: CPU tier and LRU, a fake worker side completing every transfer at once) on the one-group
-#: layout: a CPU tier of this many blocks, which stores every prompt block once.
+#: layout and on qwen3.5 (its Mamba states offloaded too): a CPU tier of this many blocks per
+#: KV-cache group, which stores every prompt block once.
 OFFLOADING = "CPU offloading"
 OFFLOADING_CHUNKS = 16384
 #: The Mamba layouts also run without prefix caching (``--no-enable-prefix-caching``: vLLM's
@@ -142,13 +149,15 @@ NO_CACHING = "prefix caching off"
 #: token arrives as dummy KV, so every step but a request's first is a decode step.
 DECODE_BENCH = "DecodeBenchConnector"
 MAMBA = [layout for layout, groups in LAYOUTS.items() if any(k == "mamba" for k, _ in groups)]
+#: The layouts run with CPU offloading.
+OFFLOADED = ["llama", "qwen3.5"]
 #: (workload, layout, blocks per group, speculative method, OFFLOADING, NO_CACHING,
 #: DECODE_BENCH or "").
 SCHEDULER_CASES = (
     [(name, "llama", ONE_GROUP_BLOCKS, "") for name in WORKLOADS]
     + [("shared prefix, 32 output tokens", layout, BLOCKS_PER_GROUP, "") for layout in LAYOUTS]
     + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, m) for m in SPECULATION]
-    + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, OFFLOADING)]
+    + [("shared prefix, 32 output tokens", m, BLOCKS_PER_GROUP, OFFLOADING) for m in OFFLOADED]
     + [("shared prefix, 32 output tokens", m, BLOCKS_PER_GROUP, NO_CACHING) for m in MAMBA]
     + [("shared prefix, 32 output tokens", "llama", BLOCKS_PER_GROUP, DECODE_BENCH)]
 )
@@ -197,7 +206,7 @@ def test_scheduler_cpu_time(
         max_num_seqs=256,
         max_num_batched_tokens=8192,
         speculative=SPECULATION.get(method),
-        kv_offloading=OFFLOADING_CHUNKS if method == OFFLOADING else 0,
+        kv_offloading=pool_blocks(OFFLOADING_CHUNKS, layout) if method == OFFLOADING else 0,
         decode_bench="per request" if method == DECODE_BENCH else "",
     )
     layout_case = _is_layout_case(layout, blocks_per_group)
@@ -210,8 +219,14 @@ def test_scheduler_cpu_time(
         runs.append(timed_run(model_dir, spec, workload))
 
     case = f"vLLM scheduler, 256 requests, {name}"
-    if method == OFFLOADING:
+    if method == OFFLOADING and layout == "llama":
         case = f"{case}, {method} ({OFFLOADING_CHUNKS:,} CPU blocks), {blocks_per_group:,} blocks"
+    elif method == OFFLOADING:
+        case = _layout_case(
+            f"{case}, {method} ({OFFLOADING_CHUNKS:,} CPU blocks per group), "
+            f"{blocks_per_group:,} blocks per group",
+            layout,
+        )
     elif method == DECODE_BENCH:
         case = f"{case}, {method} (every prompt filled), {blocks_per_group:,} blocks"
     elif method in SPECULATION:
@@ -230,7 +245,10 @@ def test_scheduler_cpu_time(
     assert_ran_on(installed, *(t.implementation for t, _ in runs))
     if method == OFFLOADING:  # every request's prompt blocks were stored to the CPU tier
         _assert_every_request_finished(snapshots, workload)
-        assert sum(len(snap[STORES]) for snap in snapshots) > 0
+        stores = [job for snap in snapshots for job in snap[STORES]]
+        assert stores
+        for g in (g for g, (kind, _) in enumerate(LAYOUTS[layout]) if kind == "mamba"):
+            assert any(job[2][1][g] for job in stores), "and the Mamba states, by offer"
     elif method == DECODE_BENCH:  # every prompt arrived filled: one step per output token
         _assert_every_request_finished(snapshots, workload)
         assert all(hit == workload.prompt_len - 1 for s in snapshots for _, _, hit in s[1])
