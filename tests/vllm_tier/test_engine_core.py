@@ -15,10 +15,12 @@ vLLM runs such a model without prefix caching (Mamba blocks of ``max_model_len``
 attention blocks to zero in every scheduler output), or (layout ``qwen3.5-align``) with it
 (vLLM's "align" mode: Mamba blocks of the attention block size, prefill checkpoints as
 Qwen3.5's gated delta-net layers export them). The ``llama-offloading`` run adds vLLM's CPU
-offloading (``--kv-offloading-size``); ``llama-nixl`` and ``llama-nixl-push`` add NIXL's
-connector in pull and push mode (one engine in both roles: a third of the requests are a
-prefill node's, a third a decode node's whose prompt KV a fake remote node provides), the
-worker side faked by the bench driver's (``kvblocks.vllm.bench_driver.nixl``).
+offloading (``--kv-offloading-size``), ``qwen3.5-align-offloading`` the same to the Mamba
+layout with prefix caching (its Mamba states offloaded too); ``llama-nixl`` and
+``llama-nixl-push`` add NIXL's connector in pull and push mode (one engine in both roles: a
+third of the requests are a prefill node's, a third a decode node's whose prompt KV a fake
+remote node provides), the worker side faked by the bench driver's
+(``kvblocks.vllm.bench_driver.nixl``).
 
 With speculative decoding (``KVBLOCKS_TEST_SPECULATION``: ``ngram``, or ``eagle`` with a tiny
 offline draft config and vLLM's default lookahead block hashes) the fake executor does what
@@ -89,12 +91,16 @@ POOL = {
     "gpt-oss": NUM_BLOCKS + 22,
     "qwen3.5": NUM_BLOCKS + 24,
     "qwen3.5-align": NUM_BLOCKS + 24,
+    "qwen3.5-align-offloading": NUM_BLOCKS + 24,
     "llama-offloading": NUM_BLOCKS,
     "llama-nixl": NUM_BLOCKS,
     "llama-nixl-push": NUM_BLOCKS,
 }
 #: NIXL's transfer mode of each NIXL layout.
 NIXL = {"llama-nixl": "pull", "llama-nixl-push": "push"}
+#: The layouts with vLLM's CPU offloading, and those whose Mamba groups cache states.
+OFFLOADING = ("llama-offloading", "qwen3.5-align-offloading")
+ALIGN = ("qwen3.5-align", "qwen3.5-align-offloading")
 #: NIXL's side-channel port per run (the "off" and "all" processes run at the same time, and
 #: each engine's connector listens on its port; the port is in the kv_transfer_params a
 #: finished prefill returns, recorded as PORT).
@@ -185,7 +191,7 @@ class FakeExecutor(Executor):
                     dtypes=(torch.float32,),
                     mamba_cache_mode="none",
                 )
-        elif layout == "qwen3.5-align":
+        elif layout in ALIGN:
             for i in (1, 2, 3):  # as a gated delta-net layer's spec with prefix caching
                 specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
                     block_size=BLOCK_SIZE,
@@ -398,7 +404,7 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         )
     layout = os.environ.get("KVBLOCKS_TEST_LAYOUT", "llama")
     transfer = None
-    if layout == "llama-offloading":
+    if layout in OFFLOADING:
         # --kv-offloading-size, with the driver's spec (vLLM's CPU tier, a fake worker side).
         from kvblocks.vllm.bench_driver.offloading import SPEC_MODULE, SPEC_NAME
 
@@ -429,9 +435,9 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
             block_size=BLOCK_SIZE,
             enable_prefix_caching=layout != "qwen3.5",
             # What vLLM's config sets for a model with Mamba layers and prefix caching.
-            mamba_cache_mode="align" if layout == "qwen3.5-align" else "none",
+            mamba_cache_mode="align" if layout in ALIGN else "none",
             num_gpu_blocks_override=POOL[layout],
-            kv_offloading_size=KV_OFFLOADING_GIB if layout == "llama-offloading" else None,
+            kv_offloading_size=KV_OFFLOADING_GIB if layout in OFFLOADING else None,
         ),
     )
     engine = EngineCore(vllm_config, executor_class=FakeExecutor, log_stats=True)
@@ -641,6 +647,7 @@ def engine_results(processes: dict[str, subprocess.Popen[str]], tmp_path: Path) 
         pytest.param("qwen3.5", "", id="qwen3.5"),
         pytest.param("qwen3.5-align", "", id="qwen3.5-prefix-caching"),
         pytest.param("llama-offloading", "", id="llama-kv-offloading"),
+        pytest.param("qwen3.5-align-offloading", "", id="qwen3.5-prefix-caching-kv-offloading"),
         pytest.param("llama-nixl", "", id="llama-nixl"),
         pytest.param("llama-nixl-push", "", id="llama-nixl-push"),
     ],
@@ -659,8 +666,8 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
     assert "mode=all" in on["status"]
     assert "fallback" not in on["status"]
     mamba = layout == "qwen3.5"
-    offloading = layout == "llama-offloading"
-    num_groups = {"gpt-oss": 2, "qwen3.5": 4, "qwen3.5-align": 4}.get(layout, 1)
+    offloading = layout in OFFLOADING
+    num_groups = 4 if layout.startswith("qwen3.5") else {"gpt-oss": 2}.get(layout, 1)
     stock, ours = off["run"], on["run"]
     if mamba:  # no prefix caching: EngineCore builds no request block hasher
         assert off["hasher"] is on["hasher"] is None
@@ -680,10 +687,9 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
         assert on["hasher"] == "kvblocks.vllm.block_hasher"
         groups = {
             "gpt-oss": "2 groups (full_attention, sliding_window), ",
-            "qwen3.5-align": "4 groups (full_attention, mamba, mamba, mamba), ",
-        }.get(layout, "")
+        }.get(layout, "4 groups (full_attention, mamba, mamba, mamba), " if layout in ALIGN else "")
         connector = {
-            "llama-offloading": ", OffloadingConnector",
+            **dict.fromkeys(OFFLOADING, ", OffloadingConnector"),
             "llama-nixl": ", NixlConnector",
             "llama-nixl-push": ", NixlPushConnector",
         }.get(layout, "")
@@ -697,7 +703,7 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
         assert stock["prefix_cache_totals"]["hits"] > 0
         assert all(stock["block_hashes"].values())
         zeroing = any(step["new_block_ids_to_zero"] for step in stock["scheduler_outputs"])
-        assert zeroing == (layout == "qwen3.5-align")
+        assert zeroing == (layout in ALIGN)
     assert off["group_metadata"] == on["group_metadata"]
     sizes = [m["block_size"] for m in on["group_metadata"]]
     assert sizes == (
@@ -722,6 +728,8 @@ def test_engine_core_identical_with_plugin(tmp_path: Path, layout: str, speculat
         assert all(j is not None for j in jobs)
         assert any(stores for _loads, stores, _flushed in jobs)
         assert any(loads for loads, _stores, _flushed in jobs)
+        if layout in ALIGN:  # Mamba states among them: per job, the blocks of each group
+            assert any(job[2][1][1] for _loads, stores, _flushed in jobs for job in stores)
     elif layout in NIXL:  # remote KV arrived for decode requests; prefills handed theirs on
         assert all(j is not None for j in jobs)
         transfers = [t for recv, _send, _other in jobs for t in recv]
