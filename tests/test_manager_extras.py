@@ -103,6 +103,25 @@ def test_verify_tokens_refuses_a_colliding_hit(impl: ModuleType, verify: bool) -
         assert (hits, n) == ([1], 4)  # the weak key alone would serve block 1's wrong KV
 
 
+def test_a_hit_never_lists_a_block_twice(impl: ModuleType) -> None:
+    """With one-byte keys a request's own second block can collide with its first (found by
+    test_manager_stateful): the lookup must end the hit there (one block cannot hold two
+    positions; ``allocate_slots`` refuses such a hit), and a step that looks the request up
+    itself must schedule it, not raise."""
+    m = impl.BlockManager(2, 1, _debug_key_bytes=1, hash_algo="sha256_cbor", hash_seed="stateful")
+    m.add_request("r", [2, 3, 0], cache_salt="s")
+    hashes = m.block_hashes("r")
+    assert hashes[0][:1] == hashes[1][:1], "the example's first two keys collide"
+    handle = m.handle("r")
+    assert m.schedule_step([handle], [1]).num_scheduled == 1
+    m.free("r")
+    assert m.get_computed_blocks("r") == ([1], 1)
+    with pytest.raises(ValueError, match="is not the request's cached block 1"):
+        m.allocate_slots("r", 1, num_new_computed_tokens=2, new_computed_blocks=[1, 1])
+    step = m.schedule_step([handle], [1], num_new_computed_tokens=[1])
+    assert step.num_scheduled == 0  # the hit's block plus one new: the one-block pool is full
+
+
 def test_verify_tokens_checks_the_parent_chain_and_extra_keys(impl: ModuleType) -> None:
     m = impl.BlockManager(30, 4, _debug_key_bytes=1, verify_tokens=True)
     admit(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])

@@ -272,6 +272,7 @@ def test_aborts_and_resets(model_dir: Path, mode: str) -> None:
 def scripts(draw: st.DrawFn) -> Script:
     layout = draw(st.sampled_from(list(LAYOUTS)))
     caching_off = layout.endswith("prefix caching off")
+    offloading = 0 if caching_off else draw(st.sampled_from([0, 0, 16, 64]))
     spec = spec_for(
         layout,
         draw(st.sampled_from(MODES)),
@@ -280,7 +281,10 @@ def scripts(draw: st.DrawFn) -> Script:
         **draw_sizes(draw, min_blocks=60),
         # with CPU offloading too: vLLM's MultiConnector of NIXL and the OffloadingConnector
         # (which needs prefix caching with Mamba groups: vLLM refuses the layout without it)
-        kv_offloading=0 if caching_off else draw(st.sampled_from([0, 0, 16, 64])),
+        kv_offloading=offloading,
+        # NIXL alone: some loads fail, the requests recomputed or failed
+        nixl_failed_loads=0 if offloading else draw(st.sampled_from([0, 0, 2, 5])),
+        kv_load_failure_policy=draw(st.sampled_from(["fail", "recompute"])),
     )
     return draw_disaggregated_script(draw, spec)
 

@@ -101,11 +101,12 @@ def test_cpu_hits_after_a_gpu_reset(model_dir: Path, layout: str, async_scheduli
 def test_small_pools_preempt_and_evict(
     model_dir: Path, layout: str, async_scheduling: bool
 ) -> None:
-    """A GPU pool that preempts (the longest request needs 33 of its 36 blocks per group)
-    and a CPU tier that evicts."""
-    groups = len(LAYOUTS[layout])
+    """A GPU pool that preempts (the longest request needs 33 of its 36 blocks per group; a
+    Mamba group holds a few blocks per request, so qwen3.5 gets 80 in all) and a CPU tier that
+    evicts."""
+    num_blocks = 80 if layout == "qwen3.5" else 36 * len(LAYOUTS[layout]) + 1
     spec = spec_for(
-        layout, num_blocks=36 * groups + 1, kv_offloading=10, async_scheduling=async_scheduling
+        layout, num_blocks=num_blocks, kv_offloading=10, async_scheduling=async_scheduling
     )
     script = reset_then_repeat(spec, seed=4)
     script.resets = [60, 150]
