@@ -245,7 +245,7 @@ class KVCacheManager:
         lookup_sets = _lookup_sets(kv_cache_config)
         # vLLM's hybrid coordinator's full_attention_group_id, where a connector's lookup
         # searches each group on its own (a model with Mamba layers, prefix caching on).
-        first = lookup_sets[0][0]
+        first = lookup_sets[0][0] if lookup_sets else 0
         self._connector_reference_group: int | None = (
             first
             if enable_caching
