@@ -23,7 +23,9 @@ from vllm.v1.core.sched import scheduler as scheduler_module
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
+import kvblocks.vllm
 from kvblocks.vllm import _state
+from kvblocks.vllm.bench import mamba_checkpoint_alignment_for
 from kvblocks.vllm.bench_driver import (
     SchedulerSpec,
     block_hasher,
@@ -192,22 +194,38 @@ CONNECTOR_LAYOUTS: dict[str, Any] = {
 
 def connector_spec(layout: str, **kwargs: Any) -> SchedulerSpec:
     """A :data:`CONNECTOR_LAYOUTS` layout on small blocks, KV events on, prefix caching as
-    the layout's name says (Mamba groups then with prefill checkpoints on the block grid, as
-    Qwen3.5's gated delta-net exports them); ``kwargs`` choose the connector and override the
-    rest."""
-    caching = not layout.endswith("prefix caching off")
-    mamba = any(kind == "mamba" for kind, _ in CONNECTOR_LAYOUTS[layout])
+    the layout's name says (qwen3.5's Mamba groups then with prefill checkpoints on the block
+    grid, as Qwen3.5's gated delta-net exports them); ``kwargs`` choose the connector and
+    override the rest."""
     kwargs = {
         "block_size": 4,
         "num_blocks": 200,
         "max_num_batched_tokens": 48,
         "max_model_len": 512,
         "kv_events": True,
-        "enable_caching": caching,
-        "mamba_checkpoint_alignment": 4 if caching and mamba else None,
+        "enable_caching": not layout.endswith("prefix caching off"),
         **kwargs,
     }
+    kwargs.setdefault(
+        "mamba_checkpoint_alignment", mamba_checkpoint_alignment_for(layout, kwargs["block_size"])
+    )
     return SchedulerSpec(layout=CONNECTOR_LAYOUTS[layout], **kwargs)
+
+
+def served_scheduler(model_dir: Path, spec: SchedulerSpec, connector: str, described: str) -> Any:
+    """A scheduler for ``spec`` with kvblocks installed, after checking that its KV connector
+    is vLLM's ``connector`` (a class name), bound to kvblocks' manager, that status() says
+    ``described`` of the manager, and that nothing fell back."""
+    kvblocks.vllm.install("all")
+    _state.fallbacks.clear()
+    scheduler = make_scheduler(model_dir, spec)
+    manager = scheduler.kv_cache_manager
+    assert type(manager).__module__ == "kvblocks.vllm.kv_cache_manager"
+    assert type(scheduler.connector).__name__ == connector
+    assert scheduler.connector._kv_cache_manager is manager
+    assert described in str(kvblocks.vllm.status())
+    assert not _state.fallbacks, f"fell back: {dict(_state.fallbacks)}"
+    return scheduler
 
 
 def disaggregated_script(spec: SchedulerSpec, n: int, seed: int) -> Script:

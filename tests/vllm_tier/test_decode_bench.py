@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvblocks.vllm
-from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler
+from kvblocks.vllm.bench_driver import SchedulerSpec
 from tests.vllm_tier.harness import (
     CONNECTOR_LAYOUTS,
     Script,
@@ -23,6 +22,7 @@ from tests.vllm_tier.harness import (
     both,
     connector_spec,
     draw_aborts_and_resets,
+    served_scheduler,
     shared_prefix_script,
 )
 
@@ -40,11 +40,8 @@ def fills(stock: list[Any]) -> list[Any]:
 
 
 def test_the_scheduler_gets_the_connector_and_kvblocks_serves_it(model_dir: Path) -> None:
-    kvblocks.vllm.install("all")
-    scheduler = make_scheduler(model_dir, spec_for("gpt-oss"))
-    assert type(scheduler.kv_cache_manager).__module__ == "kvblocks.vllm.kv_cache_manager"
-    assert type(scheduler.connector).__name__ == "DecodeBenchConnector"
-    assert "DecodeBenchConnector" in str(kvblocks.vllm.status())
+    described = "prefix caching on, DecodeBenchConnector"
+    served_scheduler(model_dir, spec_for("gpt-oss"), "DecodeBenchConnector", described)
 
 
 @pytest.mark.parametrize("fill", ["per request", "startup"])

@@ -17,8 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvblocks.vllm
-from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler
+from kvblocks.vllm.bench_driver import SchedulerSpec
 from tests.vllm_tier.harness import (
     CONNECTOR_LAYOUTS,
     Script,
@@ -29,6 +28,7 @@ from tests.vllm_tier.harness import (
     draw_disaggregated_script,
     draw_sizes,
     records_of,
+    served_scheduler,
 )
 
 #: Fields of a step's record (``bench_driver.snapshot``): preempted requests, then the
@@ -42,11 +42,8 @@ def spec_for(layout: str, **kwargs: Any) -> SchedulerSpec:
 
 
 def test_the_scheduler_gets_mooncake_and_kvblocks_serves_it(model_dir: Path) -> None:
-    kvblocks.vllm.install("all")
-    scheduler = make_scheduler(model_dir, spec_for("llama"))
-    assert type(scheduler.kv_cache_manager).__module__ == "kvblocks.vllm.kv_cache_manager"
-    assert type(scheduler.connector).__name__ == "MooncakeConnector"
-    assert "prefix caching on, MooncakeConnector" in str(kvblocks.vllm.status())
+    described = "prefix caching on, MooncakeConnector"
+    served_scheduler(model_dir, spec_for("llama"), "MooncakeConnector", described)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

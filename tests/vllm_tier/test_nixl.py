@@ -35,6 +35,7 @@ from tests.vllm_tier.harness import (
     draw_disaggregated_script,
     draw_sizes,
     records_of,
+    served_scheduler,
 )
 
 #: Fields of a step's ``SchedulerOutput`` record (``bench_driver.snapshot``): the connector's
@@ -59,12 +60,9 @@ def spec_for(layout: str, mode: str = "pull", **kwargs: Any) -> SchedulerSpec:
 def test_the_scheduler_gets_nixl_and_kvblocks_serves_it(
     model_dir: Path, mode: str, connector: str
 ) -> None:
-    kvblocks.vllm.install("all")
-    scheduler = make_scheduler(model_dir, spec_for("llama", mode))
-    assert type(scheduler.kv_cache_manager).__module__ == "kvblocks.vllm.kv_cache_manager"
     # (NixlConnector is vLLM's name for the pull mode's class)
-    assert type(scheduler.connector).__name__ == f"Nixl{mode.title()}Connector"
-    assert f"prefix caching on, {connector}" in str(kvblocks.vllm.status())
+    described = f"prefix caching on, {connector}"
+    served_scheduler(model_dir, spec_for("llama", mode), f"Nixl{mode.title()}Connector", described)
 
 
 @pytest.mark.parametrize(

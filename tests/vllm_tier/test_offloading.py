@@ -16,9 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvblocks.vllm
-from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler
+from kvblocks.vllm.bench import mamba_checkpoint_alignment_for
+from kvblocks.vllm.bench_driver import SchedulerSpec
 from tests.vllm_tier.harness import (
     RequestSpec,
     Script,
@@ -26,6 +25,7 @@ from tests.vllm_tier.harness import (
     both,
     draw_aborts_and_resets,
     featured_script,
+    served_scheduler,
     shared_prefix_script,
     soak_script,
 )
@@ -47,8 +47,7 @@ def spec_for(layout: str, **kwargs: Any) -> SchedulerSpec:
         "kv_offloading": 48,
         "kv_events": True,
         "max_num_batched_tokens": 48,
-        # Mamba groups with prefill checkpoints on the block grid, as Qwen3.5's
-        "mamba_checkpoint_alignment": 4 if layout == "qwen3.5" else None,
+        "mamba_checkpoint_alignment": mamba_checkpoint_alignment_for(layout, 4),
         **kwargs,
     }
     return SchedulerSpec(layout=LAYOUTS[layout], **kwargs)
@@ -152,15 +151,8 @@ def test_soak(model_dir: Path, layout: str, async_scheduling: bool) -> None:
 def test_the_connector_runs_on_kvblocks(model_dir: Path, layout: str) -> None:
     """What status() says, and that the connector got kvblocks' manager and its blocks
     (with Mamba prefix caching too)."""
-    kvblocks.vllm.install("all")
-    _state.fallbacks.clear()
-    scheduler = make_scheduler(model_dir, spec_for(layout))
-    manager = scheduler.kv_cache_manager
-    assert type(manager).__module__ == "kvblocks.vllm.kv_cache_manager"
-    assert scheduler.connector is not None
-    assert scheduler.connector._kv_cache_manager is manager
-    assert "4-token blocks, prefix caching on, OffloadingConnector" in str(kvblocks.vllm.status())
-    assert not _state.fallbacks
+    described = "4-token blocks, prefix caching on, OffloadingConnector"
+    served_scheduler(model_dir, spec_for(layout), "OffloadingConnector", described)
 
 
 @st.composite
