@@ -275,8 +275,10 @@ class KVCacheManager:
         # Called by the scheduler every step: straight to Rust.
         setattr(self, "take_new_block_ids", self._core.take_new_block_ids)  # noqa: B010
         if enable_caching and any(spec_kind(g.kv_cache_spec, g.role) == "mamba" for g in groups):
-            # Only Mamba groups with prefix caching keep per-step state.
+            # Only Mamba groups with prefix caching keep per-step state and offer states.
             setattr(self, "new_step_starts", self._core.new_step_starts)  # noqa: B010
+            offloads = self._core.take_boundary_state_offloads
+            setattr(self, "take_boundary_state_offloads", offloads)  # noqa: B010
         self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
         self.coordinator = _Coordinator(specs, eagle_group_ids, self._core)
         self.block_pool = _BlockPool(self._core)
@@ -466,11 +468,12 @@ class KVCacheManager:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """vLLM's: ``{request_id: [(group_id, block_id, num_tokens), ...]}``, the Mamba states
-        (prefix caching on) registered at block boundaries since the last call, which a KV
-        connector may offload (vLLM's CPU offloading stores Mamba states only from these)."""
-        offloads: dict[str, list[tuple[int, int, int]]] = self._core.take_boundary_state_offloads()
-        return offloads
+        """vLLM's, called every step: ``{request_id: [(group_id, block_id, num_tokens),
+        ...]}``, the Mamba states registered at block boundaries since the last call, which a
+        KV connector may offload (vLLM's CPU offloading stores Mamba states only from these).
+        Only Mamba groups with prefix caching offer any: ``__init__`` then binds the
+        instance's to Rust; otherwise there are none and no call into Rust."""
+        return {}
 
     # vLLM's own code where it only reads what this class sets the same way.
     get_num_common_prefix_blocks = VllmKVCacheManager.get_num_common_prefix_blocks

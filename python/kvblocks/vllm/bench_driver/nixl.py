@@ -150,8 +150,9 @@ class FakeNixlWorker:
 
 def fake_worker(scheduler: Any, connector: Any) -> FakeNixlWorker:
     """The driver's worker side for NIXL (``fake_model.connector_worker``), failing loads as
-    the connector's configuration says (:data:`FAILED_LOADS_KEY`)."""
-    extra = connector._kv_transfer_config.kv_connector_extra_config or {}
+    the engine's KV transfer configuration says (:data:`FAILED_LOADS_KEY`; NIXL alone: a
+    MultiConnector's configuration has none)."""
+    extra = scheduler.vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     return FakeNixlWorker(
         fail_every=int(extra.get(FAILED_LOADS_KEY, 0)),
         num_groups=len(scheduler.kv_cache_config.kv_cache_groups),
