@@ -105,6 +105,11 @@ pub enum KvEvent {
     AllBlocksCleared,
 }
 
+/// The blocks registered under one key: almost always one (a second only where two requests
+/// computed the same block before either registered it), so kept inline, without a heap
+/// allocation per registered block.
+pub type KeyBlocks = smallvec::SmallVec<[u32; 2]>;
+
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     ref_cnt: Vec<u32>,
@@ -114,7 +119,7 @@ pub struct BlockPool {
     key_tokens: Vec<u32>,
     queue: FreeQueue,
     /// Key -> blocks registered under it, earliest first (no deduplication, as vLLM).
-    cached: DigestMap<CacheKey, Vec<u32>>,
+    cached: DigestMap<CacheKey, KeyBlocks>,
     enable_caching: bool,
     events: Option<Vec<KvEvent>>,
     /// While `Some`, the blocks whose cache entry was evicted (a batched step's record).
@@ -175,13 +180,13 @@ impl BlockPool {
         self.queue.iter()
     }
 
-    pub fn cached_blocks(&self) -> &DigestMap<CacheKey, Vec<u32>> {
+    pub fn cached_blocks(&self) -> &DigestMap<CacheKey, KeyBlocks> {
         &self.cached
     }
 
     /// The blocks registered under `key`, earliest first.
     pub fn lookup(&self, key: &CacheKey) -> &[u32] {
-        self.cached.get(key).map_or(&[], Vec::as_slice)
+        self.cached.get(key).map_or(&[], KeyBlocks::as_slice)
     }
 
     fn emit(&mut self, event: KvEvent) {
@@ -229,7 +234,7 @@ impl BlockPool {
         let Some(key) = self.key.get_mut(block as usize).and_then(Option::take) else { return };
         let Some(blocks) = self.cached.get_mut(&key) else { return };
         let before = blocks.len();
-        blocks.retain(|&b| b != block);
+        blocks.retain(|b| *b != block);
         if blocks.len() == before {
             return;
         }

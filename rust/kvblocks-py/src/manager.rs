@@ -500,7 +500,7 @@ impl PyBlockManager {
         state.set_item("block_keys", keys)?;
         let cached = PyDict::new(py);
         for (key, blocks) in pool.cached_blocks() {
-            cached.set_item(hash_bytes(py, &key.hash), blocks.clone())?;
+            cached.set_item(hash_bytes(py, &key.hash), blocks.to_vec())?;
         }
         state.set_item("cached", cached)?;
         let tables = PyDict::new(py);
