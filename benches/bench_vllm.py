@@ -6,7 +6,10 @@ the same run, on vLLM's own V1 scheduler driven by a fake model on the CPU.
 - one decode step's ``allocate_slots`` calls for 256 running requests, without timers, on
   each KV-cache layout of the driver (``config.LAYOUTS``: llama, gpt-oss, gemma3, llama4,
   mla, and the Mamba hybrids qwen3.5 and jamba; prefix caching on, vLLM's default, so the
-  Mamba groups run in vLLM's "align" mode, qwen3.5's with prefill checkpoints);
+  Mamba groups run in vLLM's "align" mode, qwen3.5's with prefill checkpoints); and the same
+  calls to a floor (:func:`allocate_slots_floor`): a Python function that only reads what
+  every ``allocate_slots`` must read of the request, kvblocks' distance to what vLLM's
+  per-request call costs any manager;
 - the shared-prefix workload (256 requests, 2,000-token prompts sharing 1,500 tokens, 32 and
   128 output tokens, block size 16, 8,192 blocks, one full-attention group), then the 32-token
   workload on each layout with 9,216 blocks per KV-cache group: scheduler-side CPU time
@@ -64,6 +67,8 @@ from kvblocks.vllm.bench_driver import (
 from kvblocks.vllm.bench_driver.timing import IMPLEMENTATION_MODULES
 
 IMPLS = ["vllm", "kvblocks"]
+#: The decode-step case's third variant: :func:`allocate_slots_floor` on stock vLLM's scheduler.
+FLOOR = "floor"
 #: Fields of a step's snapshot (``bench_driver.snapshot``): scheduled drafts, connector stores
 #: (CPU offloading), connector fills (the decode-bench connector).
 DRAFTS, FILLS, STORES = 6, 9, 10
@@ -82,6 +87,15 @@ def installed(request: pytest.FixtureRequest) -> Iterator[str]:
     _state.fallbacks.clear()
     yield impl
     kvblocks.vllm.uninstall()
+
+
+def allocate_slots_floor(request: Any, num_new_tokens: int, **kwargs: Any) -> None:
+    """What vLLM's scheduler's ``allocate_slots`` call costs a manager that does nothing: the
+    call (as the scheduler makes it, with a keyword argument) and reading what any manager
+    must read of the request to place its new tokens (its id, its token counts and its block
+    hashes). Returns None (vLLM's "the pool is full"), which this benchmark never acts on."""
+    _read = (request.request_id, request.num_tokens, request.num_computed_tokens)
+    _hashes = request.block_hashes
 
 
 def assert_ran_on(impl: str, *implementations: str) -> None:
@@ -279,11 +293,13 @@ def test_scheduler_cpu_time(
     )
 
 
-@pytest.mark.parametrize("installed", IMPLS, indirect=True)
+@pytest.mark.parametrize("installed", [*IMPLS, FLOOR], indirect=True)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> None:
     """One decode step's ``allocate_slots`` calls (one new token for every running request),
-    made directly in a steady decode state, without the per-call timers of the runs above."""
+    made directly in a steady decode state, without the per-call timers of the runs above;
+    the floor variant makes the same calls to :func:`allocate_slots_floor` (on stock vLLM's
+    scheduler), and kvblocks' row reports its time over the floor's."""
     # 93 shared blocks + 256 x 33 own ones per group: every request runs, none is preempted.
     spec = SchedulerSpec(
         block_size=16,
@@ -308,8 +324,11 @@ def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> N
         scheduler.update_from_output(out, model.execute(scheduler, out))
     running = list(scheduler.running)
     assert len(running) == len(requests) == len(prompts)
-    assert_ran_on(installed, implementation_of(scheduler.kv_cache_manager, hasher))
-    allocate = scheduler.kv_cache_manager.allocate_slots
+    manager = "vllm" if installed == FLOOR else installed
+    assert_ran_on(manager, implementation_of(scheduler.kv_cache_manager, hasher))
+    allocate: Callable[..., Any] = (
+        allocate_slots_floor if installed == FLOOR else scheduler.kv_cache_manager.allocate_slots
+    )
 
     def step() -> None:
         for request in running:
@@ -319,4 +338,6 @@ def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> N
     if layout != "llama":  # the one-group case keeps its name
         case = _layout_case(case, layout)
     _label(benchmark, case, installed)
+    if installed == "kvblocks":
+        benchmark.extra_info["floors"] = [[case, FLOOR]]
     benchmark(step)
