@@ -4,11 +4,15 @@ conftest sets it in this one)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import kvblocks
 
@@ -48,3 +52,27 @@ def test_the_driver_selects_the_cpu_platform_when_it_builds_a_config() -> None:
     assert state["built"] == ["cpu", True]
     assert state["block_size"] == 16
     assert "set VLLM_TARGET_DEVICE=cpu before" in state["unspecified"]
+
+
+def test_a_timed_run_freezes_the_start_up_heap_as_engine_core_does(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's EngineCore freezes the heap its start-up built for the garbage collector and
+    unfreezes it at shutdown: a timed run does the same around each scheduler it drives."""
+    from kvblocks.vllm.bench_driver import SchedulerSpec, Workload, timing
+
+    frozen_during: list[int] = []
+    drive = timing._drive
+
+    def spy(*args: Any) -> Any:
+        frozen_during.append(gc.get_freeze_count())
+        return drive(*args)
+
+    monkeypatch.setattr(timing, "_drive", spy)
+    before = gc.get_freeze_count()
+    workload = Workload(num_requests=2, prompt_len=40, shared_len=16, output_len=2)
+    _, snapshots = timing.timed_run(model_dir, SchedulerSpec(num_blocks=64), workload)
+    assert snapshots
+    assert len(frozen_during) == 1
+    assert frozen_during[0] > before
+    assert gc.get_freeze_count() == before

@@ -8,9 +8,11 @@ instrumented run, where that time went.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,9 +175,35 @@ def timed_run(
     With speculative decoding (``spec.speculative``) the fake model verifies drafts and
     proposes new ones, which reach the scheduler as ``EngineCore.post_step`` hands them over
     (``update_draft_token_ids``, counted in ``update``), and the request block hasher hashes
-    as many lookahead tokens as the configuration says."""
-    timings = Timings()
+    as many lookahead tokens as the configuration says.
+
+    As vLLM's ``EngineCore`` does once its start-up is done, the heap is frozen for the
+    garbage collector (:func:`_static_heap`) while the run goes."""
     scheduler = make_scheduler(model_dir, spec)
+    with _static_heap():
+        return _drive(scheduler, spec, workload, instrument)
+
+
+@contextlib.contextmanager
+def _static_heap() -> Iterator[None]:
+    """vLLM's ``EngineCore`` marks the heap its start-up built as static for the garbage
+    collector (vLLM's ``freeze_gc_heap``) and undoes it at shutdown; the runs do the same with
+    each scheduler, so that the collector's passes during a run scan what the run allocates,
+    not the scheduler's start-up or what earlier runs in the process left behind."""
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _drive(
+    scheduler: Any, spec: SchedulerSpec, workload: Workload, instrument: bool
+) -> tuple[Timings, list[tuple[Any, ...]]]:
+    """:func:`timed_run` on a scheduler already built."""
+    timings = Timings()
     lookahead = scheduler.vllm_config.num_hash_lookahead_tokens
     # EngineCore hashes requests only for prefix caching or a KV connector.
     hashing = spec.enable_caching or spec.has_kv_connector
