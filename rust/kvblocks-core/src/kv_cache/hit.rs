@@ -175,6 +175,19 @@ pub(crate) struct Search<'a> {
     pub block_size: usize,
 }
 
+impl Search<'_> {
+    /// How far a lookup set searches for a hit of at most `length` tokens: with the EAGLE
+    /// drop (never for Mamba) one block further, as far as the hashes go, so that the hit
+    /// is `length` once its last block is dropped.
+    fn limit(&self, kind: AttentionKind, drop_eagle: bool, length: usize) -> usize {
+        if drop_eagle && !kind.is_mamba() {
+            length.saturating_add(self.block_size).min(self.hashes.len() * self.block_size)
+        } else {
+            length
+        }
+    }
+}
+
 /// The longest prefix of the request's hashes (at most `max_length` tokens) every group can
 /// serve from the cache (vLLM's unitary and hybrid coordinators).
 pub(crate) fn find_longest_cache_hit(
@@ -204,13 +217,7 @@ pub(crate) fn find_cache_hit_per_group(
     let mut blocks = vec![Vec::new(); num_groups];
     let mut lengths = vec![0; num_groups];
     for set in sets {
-        let limit = if set.drop_eagle && !set.kind.is_mamba() {
-            max_length
-                .saturating_add(search.block_size)
-                .min(search.hashes.len() * search.block_size)
-        } else {
-            max_length
-        };
+        let limit = search.limit(set.kind, set.drop_eagle, max_length);
         let hit = find_for_kind(search, set.kind, limit, &set.groups, set.drop_eagle);
         for (&g, group_blocks) in set.groups.iter().zip(hit.blocks) {
             if let (Some(slot), Some(length)) = (blocks.get_mut(g), lengths.get_mut(g)) {
@@ -247,11 +254,7 @@ fn hybrid_hit(
                 continue;
             }
             let drop_eagle = set.drop_eagle && !eagle_verified.get(index).copied().unwrap_or(true);
-            let limit = if drop_eagle && !set.kind.is_mamba() {
-                current.saturating_add(block_size).min(search.hashes.len() * block_size)
-            } else {
-                current
-            };
+            let limit = search.limit(set.kind, drop_eagle, current);
             let hit = find_for_kind(search, set.kind, limit, &set.groups, drop_eagle);
             if drop_eagle {
                 if let Some(v) = eagle_verified.get_mut(index) {
