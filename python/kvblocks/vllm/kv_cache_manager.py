@@ -295,16 +295,20 @@ class KVCacheManager:
         groups with prefix caching keep such state: ``__init__`` then binds the instance's to
         Rust; otherwise there is nothing to do and no call into Rust."""
 
+    def _lookup_length(self, request: Request, max_cache_hit_length: int | None) -> int | None:
+        """How many tokens a lookup may hit (vLLM's: all but the last, or the caller's
+        limit), or None where the request looks nothing up."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return None
+        return request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlockIds, int, int]:
-        if not self.prefix_cache_lookup_enabled(request):
+        limit = self._lookup_length(request, max_cache_hit_length)
+        if limit is None:
             return self.empty_kv_cache_blocks, 0, 0
-        if max_cache_hit_length is None:
-            max_cache_hit_length = request.num_tokens - 1
-        hits, num_tokens, num_uncached = self._core.lookup(
-            request.block_hashes, max_cache_hit_length
-        )
+        hits, num_tokens, num_uncached = self._core.lookup(request.block_hashes, limit)
         if (
             num_tokens
             and self.enable_kv_cache_events
@@ -329,9 +333,9 @@ class KVCacheManager:
         reference = self._connector_reference_group
         if reference is None:
             return *self.get_computed_blocks(request, max_cache_hit_length), False
-        if not self.prefix_cache_lookup_enabled(request):
+        limit = self._lookup_length(request, max_cache_hit_length)
+        if limit is None:
             return self.empty_kv_cache_blocks, 0, 0, False
-        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
         blocks, lengths = self._core.lookup_per_group(request.block_hashes, limit)
         num_local = lengths[reference]
         if max(lengths) > num_local:
