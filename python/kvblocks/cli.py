@@ -299,12 +299,17 @@ def bench_vllm(args: argparse.Namespace) -> int:
         num_blocks=VLLM_ENGINE_NUM_BLOCKS,
         max_num_batched_tokens=VLLM_ENGINE_MAX_NUM_BATCHED_TOKENS,
     )
-    from kvblocks.vllm import status
+    from kvblocks.vllm import _vllm_version, status, unsupported_vllm
     from kvblocks.vllm.bench_logs import held_back, summary
     from kvblocks.vllm.block_hasher import ALGORITHMS
 
     if args.hash_algo not in ALGORITHMS:
         print(f"vLLM has no hash algorithm {args.hash_algo!r}", file=sys.stderr)
+        return 2
+    version = _vllm_version()
+    if version is not None and (refusal := unsupported_vllm(version)) is not None:
+        # The driver builds vLLM's scheduler as the supported releases take it.
+        print(f"--engine vllm: {refusal}", file=sys.stderr)
         return 2
     print("loading vLLM ...", file=sys.stderr, flush=True)
     # vLLM's imports and first configuration log their warnings here, once, before the bar.

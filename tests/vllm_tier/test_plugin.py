@@ -79,12 +79,48 @@ def test_unsupported_vllm_version_changes_nothing(
     with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
         kvblocks.vllm.register()
     assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
-    assert kvblocks.vllm.status().mode == "off"
+    status = kvblocks.vllm.status()
+    assert status.mode == "off"
+    assert status.active == {}
+    # The refusal is a fallback of each part, with what to do.
+    assert sorted(status.fallbacks) == [
+        f"{part}: a vLLM release this version of kvblocks does not support (vllm 0.34.1; to "
+        "use kvblocks, install a kvblocks release that supports vllm 0.34.1, or pip install "
+        '"vllm>=0.33,<0.34")'
+        for part in ("hasher", "kv_cache_manager")
+    ]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "0.34.1" in warnings[0].getMessage()
-    with pytest.raises(ImportError, match=r"0\.34\.1"):
+    assert "not vllm 0.34.1" in warnings[0].getMessage()
+    assert 'pip install "vllm>=0.33,<0.34"' in warnings[0].getMessage()
+    kvblocks.vllm.register()  # vLLM loads plugins in each process it starts: still one line
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    with pytest.raises(ImportError, match=r"not vllm 0\.34\.1"):
         kvblocks.vllm.install()
+
+
+def test_scheduler_cls_on_an_unsupported_vllm_builds_vllms_manager(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, model_dir: Path
+) -> None:
+    """``--scheduler-cls kvblocks.vllm.Scheduler`` with the plugin off, on a vLLM release
+    kvblocks does not support: vLLM's manager, the refusal recorded, one warning."""
+    from kvblocks.vllm.bench_driver import make_scheduler
+
+    kvblocks.vllm.uninstall()
+    monkeypatch.setattr(kvblocks.vllm, "_vllm_version", lambda: "0.34.1")
+    spec = SchedulerSpec(block_size=16, num_blocks=64)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
+        for cls in (kvblocks.vllm.Scheduler, kvblocks.vllm.AsyncScheduler):
+            scheduler = make_scheduler(model_dir, spec, scheduler_cls=cls)
+            assert type(scheduler.kv_cache_manager) is VllmKVCacheManager
+    status = kvblocks.vllm.status()
+    assert status.active == {}
+    ((reason, count),) = status.fallbacks.items()
+    assert reason.startswith("kv_cache_manager: a vLLM release this version of kvblocks does")
+    assert count == 2
+    (warning,) = [r for r in caplog.records if r.name == "vllm.kvblocks"]
+    assert warning.levelno == logging.WARNING
+    assert "not vllm 0.34.1" in warning.getMessage()
 
 
 def test_bad_mode(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

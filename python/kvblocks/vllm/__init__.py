@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 
 from kvblocks.vllm import _state
+from kvblocks.vllm._state import Reason
 
 __all__ = [
     "MODES",
@@ -36,6 +37,7 @@ __all__ = [
     "register",
     "status",
     "uninstall",
+    "unsupported_vllm",
 ]
 
 
@@ -109,6 +111,44 @@ def _supported(version: str) -> bool:
     return low <= (int(match[1]), int(match[2])) < high
 
 
+def supported_range() -> str:
+    """:data:`SUPPORTED_VLLM` as a pip requirement's specifier: ``>=0.33,<0.34``."""
+    low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
+    return f">={low},<{high}"
+
+
+def unsupported_vllm(version: str | None) -> str | None:
+    """Why kvblocks leaves vLLM ``version`` alone (None when it supports it), with what to
+    do: the log line of the plugin and of ``--scheduler-cls kvblocks.vllm.Scheduler``, and
+    what ``kvblocks bench --engine vllm`` says."""
+    if version is None:
+        from kvblocks._install import install_hint
+
+        return f"vLLM is not installed: {install_hint('vllm')}"
+    if _supported(version):
+        return None
+    from kvblocks import __version__
+
+    return (
+        f"kvblocks {__version__} supports vllm{supported_range()}, not vllm {version}: "
+        f"{_version_remedy(version)}"
+    )
+
+
+def _version_remedy(version: str) -> str:
+    return (
+        f"to use kvblocks, install a kvblocks release that supports vllm {version}, "
+        f'or pip install "vllm{supported_range()}"'
+    )
+
+
+def version_fallback(part: str, version: str) -> None:
+    """Records that ``part`` leaves vLLM ``version`` alone because kvblocks does not support
+    that release (``status()`` lists it; the caller logs the one line)."""
+    detail = f"vllm {version}; {_version_remedy(version)}"
+    _state.fall_back(part, Reason.VLLM_VERSION, detail, quiet=True)
+
+
 def status() -> Status:
     """What is active in this process, and every reason a part fell back so far."""
     return Status(
@@ -131,7 +171,8 @@ def install(mode: str = "all") -> Status:
     """Installs kvblocks' parts into this process's vLLM (``mode`` as ``KVBLOCKS_VLLM``).
 
     Replaces what a previous call installed. Raises ``ValueError`` for an unknown mode and
-    ``ImportError`` when vLLM is missing or outside :data:`SUPPORTED_VLLM`. A part whose vLLM
+    ``ImportError`` when vLLM is missing or outside :data:`SUPPORTED_VLLM` (the message says
+    what to do; :func:`status` then lists each part's ``vllm_version`` fallback). A part whose vLLM
     sources differ from those it was ported from (:mod:`kvblocks.vllm.fingerprints`) is not
     installed: it falls back, with one log line naming the files, and :func:`status` says so;
     so does a part whose installation fails (``guard_error``, with the error), the other
@@ -151,21 +192,21 @@ def _install(mode: str) -> Status:
     _uninstall()
     if mode == "off":
         return status()
+    parts = [("hasher", _install_hasher)]
+    if mode == "all":
+        parts.append(("kv_cache_manager", _install_manager))
     version = _vllm_version()
-    if version is None:
-        from kvblocks._install import install_hint
-
-        raise ImportError(f"kvblocks.vllm needs vLLM 0.33: {install_hint('vllm')}")
-    if not _supported(version):
-        low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
-        raise ImportError(f"kvblocks.vllm supports vllm >= {low}, < {high}; found {version}")
+    refusal = unsupported_vllm(version)
+    if refusal is not None:
+        if version is not None:  # a refusal by version is a fallback status() reports
+            for part, _ in parts:
+                version_fallback(part, version)
+        raise ImportError(refusal)
+    assert version is not None
     from kvblocks.vllm import fingerprints
 
     # A part whose vLLM sources are not the ones it was ported from leaves vLLM's code in place.
     stale = fingerprints.check(version)
-    parts = [("hasher", _install_hasher)]
-    if mode == "all":
-        parts.append(("kv_cache_manager", _install_manager))
     for part, install_part in parts:
         if part in stale:
             _state.fall_back(part, *stale[part])
@@ -174,7 +215,7 @@ def _install(mode: str) -> Status:
             install_part()
         except Exception as error:  # one part failing leaves the others (and vLLM) working
             _state.restore(part)
-            _state.fall_back(part, _state.Reason.GUARD_ERROR, _state.error_detail(error))
+            _state.fall_back(part, Reason.GUARD_ERROR, _state.error_detail(error))
     _state.mode = mode
     _state.logger().info("kvblocks: installed into vLLM %s (mode=%s)", version, mode)
     return status()
@@ -240,4 +281,5 @@ def register() -> None:
     except Exception as error:  # never break vLLM's start-up
         _state.restore_all()
         _state.mode = "off"
-        _state.logger().warning("kvblocks: left vLLM unchanged: %s", error)
+        key = _state.VERSION_LOG_KEY if unsupported_vllm(_vllm_version()) else repr(error)
+        _state.log_once(key, logging.WARNING, "kvblocks: left vLLM unchanged: %s", error)

@@ -60,7 +60,8 @@ class Reason(StrEnum):
     LOOKAHEAD_WITHOUT_FULL = "lookahead_without_full"
     VLLM_REJECTS = "vllm_rejects"
     GUARD_ERROR = "guard_error"
-    # either part (see kvblocks.vllm.fingerprints)
+    # either part (see kvblocks.vllm.fingerprints and kvblocks.vllm.unsupported_vllm)
+    VLLM_VERSION = "vllm_version"
     VLLM_SOURCES = "vllm_sources"
     VLLM_UNKNOWN = "vllm_unknown"
 
@@ -104,6 +105,7 @@ _TEXTS = {
     "past the request's block hashes and raise)",
     Reason.VLLM_REJECTS: "a configuration vLLM's own manager rejects (vLLM raises its error)",
     Reason.GUARD_ERROR: "an unexpected error in kvblocks' own code or in reading the configuration",
+    Reason.VLLM_VERSION: "a vLLM release this version of kvblocks does not support",
     Reason.VLLM_SOURCES: "the vLLM sources it reproduces differ from the release it was ported "
     "from",
     Reason.VLLM_UNKNOWN: "no usable fingerprints of this vLLM release's sources",
@@ -177,18 +179,26 @@ def error_detail(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def fall_back(part: str, reason: str, detail: str | None = None) -> None:
+def fall_back(part: str, reason: str, detail: str | None = None, *, quiet: bool = False) -> None:
     """Counts a fallback to vLLM's own code; the first one of each kind is logged (INFO; a
-    WARNING for :attr:`Reason.GUARD_ERROR`, an error kvblocks did not expect)."""
+    WARNING for :attr:`Reason.GUARD_ERROR`, an error kvblocks did not expect), unless
+    ``quiet`` (the caller logs one line for several parts)."""
     fallbacks[(part, reason)] += 1
     if detail:
         details[(part, reason)] = detail
-    if (part, reason) not in _logged:
+    if quiet:
+        _logged.add((part, reason))
+    elif (part, reason) not in _logged:
         _logged.add((part, reason))
         level = logging.WARNING if reason == Reason.GUARD_ERROR else logging.INFO
         logger().log(
             level, "kvblocks: %s falls back to vLLM's own code: %s", part, describe(part, reason)
         )
+
+
+#: The :func:`log_once` key of the line saying the installed vLLM is not supported (the
+#: plugin and ``--scheduler-cls kvblocks.vllm.Scheduler`` say it once between them).
+VERSION_LOG_KEY = "vllm_version"
 
 
 def log_once(key: str, level: int, message: str, *args: Any) -> None:

@@ -22,34 +22,40 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from typing import Any
-
-from vllm.distributed.kv_events import (
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVCacheEvent,
-)
-from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
-from vllm.v1.core.kv_cache_utils import (
-    generate_block_hash_extra_keys,
-    generate_lookahead_block_hash_extra_keys,
-    maybe_convert_block_hash,
-    to_event_extra_keys,
-)
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    get_kv_cache_spec_kind,
-    get_kv_cache_spec_sliding_window,
-)
-from vllm.v1.metrics.stats import PrefixCacheStats
-from vllm.v1.request import Request, RequestStatus
+from typing import TYPE_CHECKING, Any
 
 from kvblocks._core import KVCacheBlockIds, KVCacheCore, KVCacheGroup
 from kvblocks.vllm import _state
 from kvblocks.vllm.support import Unsupported, spec_kind, unsupported_manager_arguments
+
+try:  # the vLLM names this module builds on (fingerprinted: kvblocks.vllm.fingerprints)
+    from vllm.distributed.kv_events import (
+        MEDIUM_GPU,
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVCacheEvent,
+    )
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+    from vllm.v1.core.kv_cache_utils import (
+        generate_block_hash_extra_keys,
+        generate_lookahead_block_hash_extra_keys,
+        maybe_convert_block_hash,
+        to_event_extra_keys,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+    from vllm.v1.metrics.stats import PrefixCacheStats
+    from vllm.v1.request import Request, RequestStatus
+except ImportError as _error:  # a vLLM that moved one: KVCacheManager refuses to be built
+    _VLLM_MISSING: str | None = _state.error_detail(_error)
+    VllmKVCacheManager = None
+else:
+    _VLLM_MISSING = None
 
 
 class _RequestBlocks(Mapping[str, tuple[Any, ...]]):
@@ -190,6 +196,8 @@ class KVCacheManager:
     allocation engine; :mod:`kvblocks.vllm.scheduler` decides when it applies."""
 
     def __init__(self, **kwargs: Any) -> None:
+        if _VLLM_MISSING is not None:
+            raise Unsupported(_state.Reason.VLLM_SOURCES, _VLLM_MISSING)
         try:
             reason = unsupported_manager_arguments(kwargs)
         except Exception as error:  # an unexpected config shape
@@ -479,12 +487,9 @@ class KVCacheManager:
         instance's to Rust; otherwise there are none and no call into Rust."""
         return {}
 
-    # vLLM's own code where it only reads what this class sets the same way.
-    get_num_common_prefix_blocks = VllmKVCacheManager.get_num_common_prefix_blocks
-    get_block_ids_for_computed_tokens = VllmKVCacheManager.get_block_ids_for_computed_tokens
-    prefix_cache_lookup_enabled = VllmKVCacheManager.prefix_cache_lookup_enabled
-    record_prefix_cache_stats = VllmKVCacheManager.record_prefix_cache_stats
-    make_prefix_cache_stats = VllmKVCacheManager.make_prefix_cache_stats
+    if TYPE_CHECKING:  # vLLM's own (see _FROM_VLLM below the class)
+
+        def prefix_cache_lookup_enabled(self, request: Request) -> bool: ...
 
     # -- statistics and events ---------------------------------------------------------------
 
@@ -588,3 +593,19 @@ class KVCacheManager:
             session_id=request.session_id,
             lookahead_token_ids=lookahead_ids,
         )
+
+
+#: vLLM's ``KVCacheManager`` methods that run unchanged on this class (they only read what
+#: it sets as vLLM's manager does; fingerprinted with the rest). Each is bound where the
+#: installed vLLM's manager has it, so that the class has what vLLM's has (vLLM 0.34 has no
+#: ``get_num_common_prefix_blocks``) and this module imports whatever vLLM moved.
+_FROM_VLLM = (
+    "get_num_common_prefix_blocks",
+    "get_block_ids_for_computed_tokens",
+    "prefix_cache_lookup_enabled",
+    "record_prefix_cache_stats",
+    "make_prefix_cache_stats",
+)
+for _name in _FROM_VLLM:
+    if hasattr(VllmKVCacheManager, _name):
+        setattr(KVCacheManager, _name, getattr(VllmKVCacheManager, _name))

@@ -12,26 +12,39 @@ builds vLLM's own manager, with one log line naming the reason. Two ways to ask:
 - ``--scheduler-cls kvblocks.vllm.Scheduler`` (or ``kvblocks.vllm.AsyncScheduler``) asks
   explicitly, whatever ``KVBLOCKS_VLLM`` says.
 
-The factory never raises for a configuration it does not support: vLLM's start-up goes on
-with vLLM's manager.
+The factory never raises for a configuration or a vLLM release it does not support: vLLM's
+start-up goes on with vLLM's manager. Importing this module takes nothing from vLLM but its
+two scheduler classes (kvblocks' manager, which builds on more of vLLM, is imported only once
+the installed vLLM is one kvblocks supports and its sources are the ones kvblocks was ported
+from), so a vLLM release that moved something kvblocks uses cannot break vLLM's start-up here.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.sched import async_scheduler as _async_scheduler_module
-from vllm.v1.core.sched import scheduler as _scheduler_module
-
+import kvblocks.vllm
 from kvblocks.vllm import _state, fingerprints
 from kvblocks.vllm._state import Reason
-from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from kvblocks.vllm.support import Unsupported, connector_name, unsupported_config
 
+if TYPE_CHECKING:
+    from kvblocks.vllm.kv_cache_manager import KVCacheManager
+
+try:
+    from vllm.v1.core.sched import async_scheduler as _async_scheduler_module
+    from vllm.v1.core.sched import scheduler as _scheduler_module
+except ImportError as _error:  # a vLLM without vLLM 0.33's scheduler modules
+    _NO_VLLM_SCHEDULER: str | None = _state.error_detail(_error)
+else:
+    _NO_VLLM_SCHEDULER = None
+
+_UNCHANGED = "kvblocks: left vLLM unchanged: %s"
 #: The part of kvblocks this module installs (the name ``status()`` reports it under).
 _PART = "kv_cache_manager"
 _building = threading.local()
@@ -57,6 +70,12 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     vllm_config = getattr(_building, "vllm_config", None)
     if vllm_config is None:
         return _vllm_manager_class()(**kwargs)
+    version = kvblocks.vllm._vllm_version()
+    not_supported = kvblocks.vllm.unsupported_vllm(version)
+    if not_supported is not None:  # a vLLM release kvblocks does not support
+        kvblocks.vllm.version_fallback(_PART, version or "unknown")
+        _state.log_once(_state.VERSION_LOG_KEY, logging.WARNING, _UNCHANGED, not_supported)
+        return _vllm_manager_class()(**kwargs)
     stale = fingerprints.check().get(_PART)
     if stale is not None:  # not the vLLM sources kvblocks' manager was ported from
         _state.fall_back(_PART, *stale)
@@ -70,6 +89,8 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
         reason, detail = Reason.GUARD_ERROR, _state.error_detail(error)
     if reason is None:
         try:  # the manager checks its own arguments
+            from kvblocks.vllm.kv_cache_manager import KVCacheManager
+
             manager = KVCacheManager(**kwargs)
             if vllm_config.kv_transfer_config is not None:  # an allowed connector
                 manager.serve_kv_connector()
@@ -111,6 +132,8 @@ def _asking_init(init: Callable[..., None]) -> Callable[..., None]:
 def install_factory() -> None:
     """Puts the factory where vLLM's scheduler module names its manager (harmless alone:
     the factory builds vLLM's manager unless a scheduler asks)."""
+    if _NO_VLLM_SCHEDULER is not None:  # nowhere to put it (the scheduler says so when built)
+        return
     if _scheduler_module.KVCacheManager is not kv_cache_manager_factory:
         _state.patch(_scheduler_module, "KVCacheManager", kv_cache_manager_factory, _PART)
 
@@ -123,7 +146,26 @@ def install() -> None:
         _state.patch(vllm_scheduler, "__init__", _asking_init(vllm_scheduler.__init__), _PART)
 
 
-class Scheduler(_scheduler_module.Scheduler):  # type: ignore[misc]
+def _vllm_scheduler_class(name: str) -> Any:
+    """vLLM's ``Scheduler`` or ``AsyncScheduler``: the base of kvblocks' class of that name.
+    A vLLM without it gets a base that says so when built (``--scheduler-cls`` names a class
+    that cannot exist there), instead of an import error."""
+    if _NO_VLLM_SCHEDULER is None:
+        module = _scheduler_module if name == "Scheduler" else _async_scheduler_module
+        return getattr(module, name)
+
+    class Missing:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ImportError(
+                f"kvblocks.vllm.{name} stands in for vLLM's {name}, which this vLLM does not "
+                f"have where vLLM 0.33 has it ({_NO_VLLM_SCHEDULER}); drop --scheduler-cls "
+                f"(the plugin, {kvblocks.vllm.ENV_VAR}=all, needs no scheduler class)"
+            )
+
+    return Missing
+
+
+class Scheduler(_vllm_scheduler_class("Scheduler")):  # type: ignore[misc]
     """vLLM's ``Scheduler`` on kvblocks' KV-cache manager wherever it is exact
     (``--scheduler-cls kvblocks.vllm.Scheduler``)."""
 
@@ -133,7 +175,7 @@ class Scheduler(_scheduler_module.Scheduler):  # type: ignore[misc]
             super().__init__(vllm_config, *args, **kwargs)
 
 
-class AsyncScheduler(_async_scheduler_module.AsyncScheduler):  # type: ignore[misc]
+class AsyncScheduler(_vllm_scheduler_class("AsyncScheduler")):  # type: ignore[misc]
     """vLLM's ``AsyncScheduler`` on kvblocks' KV-cache manager wherever it is exact
     (``--scheduler-cls kvblocks.vllm.AsyncScheduler``)."""
 

@@ -22,6 +22,8 @@ import functools
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +71,24 @@ def select_cpu_platform() -> None:
             "vLLM was imported before VLLM_TARGET_DEVICE=cpu was set and found no device; "
             "set VLLM_TARGET_DEVICE=cpu before anything imports vllm"
         )
+
+
+@contextmanager
+def _scheduler_only_cpu_platform() -> Iterator[None]:
+    """TEST AND BENCHMARK ONLY: while the driver's ``VllmConfig`` is checked, vLLM 0.34's CPU
+    platform is told Triton is there, so that it does not refuse x86 without Triton ("vLLM on
+    x86 CPUs requires Triton (triton-cpu)"). Its model runner needs Triton's CPU backend; the
+    driver runs no model runner (vLLM's scheduler and a fake model), and nothing else the
+    driver builds reads the flag. vLLM 0.33 does not read it there; kvblocks itself never sets
+    it (a user's vLLM is left as vLLM decides)."""
+    import vllm.triton_utils
+
+    has_triton = vllm.triton_utils.HAS_TRITON
+    vllm.triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        vllm.triton_utils.HAS_TRITON = has_triton
 
 
 def write_model_dir(path: Path) -> Path:
@@ -287,13 +307,14 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     parallel_config = extra.pop("parallel_config", None) or ParallelConfig()
     if speculation is not None:
         extra["speculative_config"] = speculative_config(speculation, models, parallel_config)
-    config = VllmConfig(
-        model_config=models,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
-        parallel_config=parallel_config,
-        **extra,
-    )
+    with _scheduler_only_cpu_platform():
+        config = VllmConfig(
+            model_config=models,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            parallel_config=parallel_config,
+            **extra,
+        )
     if spec.has_kv_connector and async_flag:
         # Back on after the CPU platform turned it off: with a KV connector the scheduler
         # defers freeing blocks while a later step may still write them (defer_block_free),
