@@ -51,17 +51,19 @@ def stand_in_vllm(root: Path, version: str) -> Path:
     return root
 
 
-CHILD = r"""
-import importlib, json, logging, pkgutil, sys
-import kvblocks.vllm as v
-
+#: Child code: kvblocks' log lines go to ``messages`` (level name, text).
+KEEP_LOG_LINES = r"""
+import logging
 messages = []
 class Keep(logging.Handler):
     def emit(self, record):
         messages.append([record.levelname, record.getMessage()])
 logging.getLogger("vllm.kvblocks").addHandler(Keep())
-logging.getLogger("vllm.kvblocks").setLevel(logging.INFO)
-
+"""
+#: Child code: imports every module of kvblocks.vllm, each one's error in ``errors``.
+IMPORT_EVERY_MODULE = r"""
+import importlib, pkgutil
+import kvblocks.vllm as v
 errors = {}
 for info in pkgutil.walk_packages(v.__path__, "kvblocks.vllm.", onerror=lambda name: None):
     if info.name.endswith("__main__"):
@@ -70,7 +72,14 @@ for info in pkgutil.walk_packages(v.__path__, "kvblocks.vllm.", onerror=lambda n
         importlib.import_module(info.name)
     except BaseException as error:
         errors[info.name] = f"{type(error).__name__}: {error}"
+"""
 
+CHILD = (
+    KEEP_LOG_LINES
+    + 'logging.getLogger("vllm.kvblocks").setLevel(logging.INFO)\n'
+    + IMPORT_EVERY_MODULE
+    + r"""
+import json, sys
 v.register()  # what vLLM's plugin loader calls in every process it starts
 status = v.status()
 
@@ -101,6 +110,7 @@ print(json.dumps({
     "manager": manager,
 }))
 """
+)
 
 
 def run_with(vllm_root: Path, code: str) -> subprocess.CompletedProcess[str]:
@@ -206,3 +216,22 @@ def test_bench_engine_vllm_says_so_in_one_line(tmp_path: Path) -> None:
     (line,) = done.stderr.splitlines()
     assert line.startswith("--engine vllm: kvblocks ")
     assert "not vllm 0.99.0" in line
+
+
+def test_a_vllm_with_the_modules_but_not_their_members(tmp_path: Path) -> None:
+    """vLLM's scheduler and manager modules are there, their classes and members are not (a
+    release that renamed them): nothing raises at import; each name is missing where it is
+    used."""
+    root = stand_in_vllm(tmp_path, "0.33.0")
+    for package in ("v1", "v1/core", "v1/core/sched"):
+        (root / "vllm" / package).mkdir()
+        (root / "vllm" / package / "__init__.py").write_text("")
+    (root / "vllm/v1/core/sched/scheduler.py").write_text("")
+    (root / "vllm/v1/core/sched/async_scheduler.py").write_text("Scheduler = 1\n")
+    (root / "vllm/v1/core/kv_cache_manager.py").write_text("class KVCacheManager:\n    pass\n")
+    done = run_with(root, CHILD)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert {m: e for m, e in result["errors"].items() if m in PRODUCT} == {}
+    assert "(vllm.v1.core.sched.scheduler has no class Scheduler)" in result["scheduler"]
+    assert result["manager"].startswith("Unsupported: vllm_sources (ModuleNotFoundError")

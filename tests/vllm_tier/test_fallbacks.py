@@ -583,6 +583,6 @@ def test_an_error_building_kvblocks_manager_falls_back(
     def broken(**kwargs: Any) -> None:
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(scheduler, "KVCacheManager", broken)
+    monkeypatch.setattr(kv_cache_manager, "KVCacheManager", broken)
     assert fell_back(decide(model_dir), "guard_error")
     assert "(RuntimeError: simulated bug)" in guard_error_text()

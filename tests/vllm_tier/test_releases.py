@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.fresh_process import run_python
-from tests.test_any_vllm import PRODUCT
+from tests.test_any_vllm import IMPORT_EVERY_MODULE, KEEP_LOG_LINES, PRODUCT
 
 NEXT = os.environ.get("KVBLOCKS_NEXT_VLLM")
 if NEXT is None and os.environ.get("KVBLOCKS_REQUIRE_VLLM") == "1":
@@ -32,30 +32,17 @@ pytestmark = pytest.mark.skipif(
     NEXT is None, reason="KVBLOCKS_NEXT_VLLM names no vLLM release (.ci/run installs one)"
 )
 
-CHILD = r"""
-import importlib, json, logging, pkgutil, sys
-from importlib.metadata import version
-
-messages = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        messages.append([record.levelname, record.getMessage()])
-logging.getLogger("vllm.kvblocks").addHandler(Keep())
-
+CHILD = (
+    KEEP_LOG_LINES
+    + r"""
 from vllm.plugins import load_general_plugins
 load_general_plugins()  # what every process vLLM starts does first
 from vllm.v1.core import kv_cache_utils
-
-import kvblocks.vllm as v
-errors = {}
-for info in pkgutil.walk_packages(v.__path__, "kvblocks.vllm.", onerror=lambda name: None):
-    if info.name.endswith("__main__"):
-        continue
-    try:
-        importlib.import_module(info.name)
-    except BaseException as error:
-        errors[info.name] = f"{type(error).__name__}: {error}"
-
+"""
+    + IMPORT_EVERY_MODULE
+    + r"""
+import json, sys
+from importlib.metadata import version
 from kvblocks.vllm import AsyncScheduler, Scheduler
 from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler, tiny_model_dir
 
@@ -78,6 +65,7 @@ print(json.dumps({
     "messages": [m for m in messages if m[0] != "DEBUG"],
 }))
 """
+)
 
 
 @pytest.fixture(scope="module")

@@ -132,8 +132,8 @@ def _asking_init(init: Callable[..., None]) -> Callable[..., None]:
 def install_factory() -> None:
     """Puts the factory where vLLM's scheduler module names its manager (harmless alone:
     the factory builds vLLM's manager unless a scheduler asks)."""
-    if _NO_VLLM_SCHEDULER is not None:  # nowhere to put it (the scheduler says so when built)
-        return
+    if _NO_VLLM_SCHEDULER is not None or not hasattr(_scheduler_module, "KVCacheManager"):
+        return  # nowhere to put it: vLLM's scheduler is not vLLM 0.33's (it says so if built)
     if _scheduler_module.KVCacheManager is not kv_cache_manager_factory:
         _state.patch(_scheduler_module, "KVCacheManager", kv_cache_manager_factory, _PART)
 
@@ -150,15 +150,19 @@ def _vllm_scheduler_class(name: str) -> Any:
     """vLLM's ``Scheduler`` or ``AsyncScheduler``: the base of kvblocks' class of that name.
     A vLLM without it gets a base that says so when built (``--scheduler-cls`` names a class
     that cannot exist there), instead of an import error."""
-    if _NO_VLLM_SCHEDULER is None:
+    missing = _NO_VLLM_SCHEDULER
+    if missing is None:
         module = _scheduler_module if name == "Scheduler" else _async_scheduler_module
-        return getattr(module, name)
+        found = getattr(module, name, None)
+        if isinstance(found, type):
+            return found
+        missing = f"{module.__name__} has no class {name}"
 
     class Missing:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise ImportError(
                 f"kvblocks.vllm.{name} stands in for vLLM's {name}, which this vLLM does not "
-                f"have where vLLM 0.33 has it ({_NO_VLLM_SCHEDULER}); drop --scheduler-cls "
+                f"have where vLLM 0.33 has it ({missing}); drop --scheduler-cls "
                 f"(the plugin, {kvblocks.vllm.ENV_VAR}=all, needs no scheduler class)"
             )
 
