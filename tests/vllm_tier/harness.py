@@ -113,9 +113,10 @@ def _recording(arguments: list[dict[str, Any]]) -> Iterator[None]:
         scheduler_module.KVCacheManager = build
 
 
-def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
+def play(script: Script, scheduler: Scheduler, hasher: Hasher, *, catch: bool = False) -> list[Any]:
     """One run of the script (no request hashing where prefix caching is off, as in
-    ``EngineCore``)."""
+    ``EngineCore``); with ``catch``, an exception ends the run as its last record
+    (``simulation.run``)."""
     arrivals = []
     # EngineCore hashes requests for prefix caching or a KV connector.
     spec = script.spec
@@ -144,6 +145,7 @@ def play(script: Script, scheduler: Scheduler, hasher: Hasher) -> list[Any]:
         max_steps=5_000,
         drafter=drafter,
         actions=script.actions,
+        catch=catch,
     )
 
 

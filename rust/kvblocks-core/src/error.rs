@@ -28,6 +28,21 @@ pub enum CoreError {
     OutOfMemory { what: &'static str, bytes: usize },
     /// An invariant of the core does not hold: a bug in kvblocks, never a bad argument.
     Internal(&'static str),
+    /// A block table an allocation left does not cover its request's tokens, or holds a
+    /// block no request references (`kv_cache::invariant`): a bug in kvblocks, caught
+    /// before the table is used. The message names the group (and the request, once the
+    /// caller that knows it added it with [`CoreError::for_request`]).
+    Unsound(String),
+}
+
+impl CoreError {
+    /// Names the request an [`CoreError::Unsound`] table belongs to.
+    pub fn for_request(self, request_id: &str) -> Self {
+        match self {
+            Self::Unsound(what) => Self::Unsound(format!("request {request_id:?}, {what}")),
+            other => other,
+        }
+    }
 }
 
 pub type CoreResult<T> = Result<T, CoreError>;
@@ -54,6 +69,10 @@ impl fmt::Display for CoreError {
                 write!(f, "cannot allocate {bytes} bytes for {what}")
             }
             Self::Internal(what) => write!(f, "internal error in kvblocks (please report): {what}"),
+            Self::Unsound(what) => write!(
+                f,
+                "internal error in kvblocks (please report): a block table is unsound: {what}"
+            ),
         }
     }
 }

@@ -164,6 +164,12 @@ impl BlockPool {
         self.ref_cnt.get(block as usize).copied().unwrap_or(0)
     }
 
+    /// Whether `block` is a real block some request references: not the null block, in the
+    /// pool, with a reference, out of the free queue (what every block a table holds must be).
+    pub fn is_in_use(&self, block: u32) -> bool {
+        block != NULL_BLOCK && self.ref_cnt(block) > 0 && !self.queue.contains(block)
+    }
+
     pub fn key(&self, block: u32) -> Option<&CacheKey> {
         self.key.get(block as usize).and_then(Option::as_ref)
     }

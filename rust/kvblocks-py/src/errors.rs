@@ -31,7 +31,7 @@ pub fn to_py(err: CoreError) -> PyErr {
             PyKeyError::new_err(format!("request id {} already exists", py_repr(&id)))
         }
         CoreError::UnknownHandle(_) => PyKeyError::new_err(err.to_string()),
-        CoreError::Randomness(_) | CoreError::Internal(_) => {
+        CoreError::Randomness(_) | CoreError::Internal(_) | CoreError::Unsound(_) => {
             KvBlocksError::new_err(err.to_string())
         }
         CoreError::OutOfMemory { .. } => PyMemoryError::new_err(err.to_string()),

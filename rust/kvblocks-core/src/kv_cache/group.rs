@@ -120,16 +120,38 @@ pub(super) fn allocate_external_blocks(
     external: usize,
 ) -> usize {
     let from = held.blocks.len();
-    let computed = local.saturating_add(external);
-    let skipped = spec.kind.num_skipped_tokens(computed);
-    if skipped > 0 && external.min(computed - skipped) == 0 {
-        return from;
-    }
-    let missing = computed.div_ceil(spec.block_size).saturating_sub(from);
+    let missing = num_external_blocks(spec, from, local, external);
     if missing > 0 {
         held.blocks.extend_from_slice(&pool.get_new_blocks(missing));
     }
     from
+}
+
+/// How many fresh blocks [`allocate_external_blocks`] takes for `external` tokens after
+/// `local` computed ones when the table holds `len` blocks.
+pub(super) fn num_external_blocks(
+    spec: &GroupSpec,
+    len: usize,
+    local: usize,
+    external: usize,
+) -> usize {
+    let computed = local.saturating_add(external);
+    let skipped = spec.kind.num_skipped_tokens(computed);
+    if skipped > 0 && external.min(computed - skipped) == 0 {
+        return 0;
+    }
+    computed.div_ceil(spec.block_size).saturating_sub(len)
+}
+
+/// The table's length once [`add_computed_blocks`] adopted `hits` (`num_hits` of them) with
+/// `num_computed` computed tokens.
+pub(super) fn len_after_hits(
+    spec: &GroupSpec,
+    held: &GroupBlocks,
+    num_hits: usize,
+    num_computed: usize,
+) -> usize {
+    held.blocks.len() + num_skipped_blocks(spec, num_computed).max(num_hits)
 }
 
 /// Frees the blocks no later token reads once `num_processed` tokens are done, replacing

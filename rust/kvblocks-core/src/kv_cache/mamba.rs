@@ -39,7 +39,7 @@ pub struct MambaState {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Align {
     block_size: usize,
-    speculative_blocks: usize,
+    pub(super) speculative_blocks: usize,
     /// `Some` when the spec has prefill checkpoint blocks and an alignment.
     checkpoint_alignment: Option<usize>,
     /// vLLM's `drop_eagle_checkpoint_block` (the EAGLE block drop is on).
@@ -199,6 +199,44 @@ pub(super) fn num_blocks_to_allocate(
     }
     let evictable = hits.iter().filter(|&&h| h != NULL_BLOCK && pool.ref_cnt(h) == 0).count();
     Demand::Blocks { blocks: blocks + evictable as i64, checkpoint }
+}
+
+/// The blocks a first allocation that adopts `external` connector-provided tokens after
+/// `local` computed ones takes in this group, where [`num_blocks_to_allocate`] counts what
+/// vLLM counts: the `hits` it touches, the fresh block of the state loaded after `local +
+/// external` tokens, and the new columns up to the running state's for `main` tokens.
+///
+/// vLLM bounds its count by the columns one chunk writes and leaves the loaded state's block
+/// out of that bound, so that with new tokens past that column it counts one block fewer
+/// than it takes: where the pool holds the count but not the blocks taken, vLLM admits the
+/// request and its pool runs dry halfway (`ValueError: Cannot get 1 free blocks from the
+/// pool`, vLLM 0.33 and 0.34). The engine refuses where the blocks taken do not fit
+/// (docs/vllm.md, "Where kvblocks differs").
+#[allow(clippy::too_many_arguments)]
+pub(super) fn num_blocks_taken(
+    align: &Align,
+    spec: &GroupSpec,
+    pool: &BlockPool,
+    held: &GroupBlocks,
+    hits: &[u32],
+    (local, external): (usize, usize),
+    main: usize,
+    checkpoint: bool,
+) -> usize {
+    let computed = local.saturating_add(external);
+    let skipped = spec.kind.num_skipped_tokens(computed) / spec.block_size;
+    let kept = hits.get(skipped..).unwrap_or_default();
+    let touched = kept.iter().filter(|&&h| h != NULL_BLOCK && pool.ref_cnt(h) == 0).count();
+    let len = super::group::len_after_hits(spec, held, hits.len(), computed);
+    let loaded = super::group::num_external_blocks(spec, len, local, external);
+    // What allocate_new_blocks adds to a table of `before` blocks (a first allocation: no
+    // draft-state block to move).
+    let before = len + loaded;
+    let required = main.div_ceil(align.block_size) + align.speculative_blocks;
+    let running = required.saturating_sub(align.speculative_blocks + 1);
+    let keep_from = running.saturating_sub(usize::from(checkpoint));
+    let padded = if before < running && before < keep_from { keep_from } else { before };
+    touched + loaded + required.saturating_sub(padded)
 }
 
 /// vLLM's align-mode `allocate_new_blocks`: the running state's column for `main` tokens

@@ -112,7 +112,7 @@ impl KvCacheManager {
             // Nothing allocated for a request vLLM does not track yet: keep no entry.
             self.requests.remove(request_id);
         }
-        allocated?;
+        allocated.map_err(|e| e.for_request(request_id))?;
         self.drain_events(request_id);
         self.keep_boundary_states(request_id);
         Ok(new)

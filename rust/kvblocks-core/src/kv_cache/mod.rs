@@ -11,6 +11,7 @@
 
 mod group;
 mod hit;
+mod invariant;
 mod mamba;
 mod manager;
 mod spec;
@@ -332,6 +333,10 @@ impl KvCacheEngine {
     /// request must wait). The count may be negative. Without `cap` (the admission gate),
     /// each Mamba group notes the checkpoint the chunk writes, as vLLM's does, whatever the
     /// outcome.
+    ///
+    /// Also returns the blocks the allocation takes, which differs from the count only where
+    /// this call adopts external tokens (`external`: `(local, external)` computed tokens) in
+    /// a Mamba group (see [`mamba::num_blocks_taken`]).
     #[allow(clippy::too_many_arguments)]
     fn blocks_needed(
         &self,
@@ -341,9 +346,10 @@ impl KvCacheEngine {
         hits: &[&[u32]],
         total_computed: usize,
         prefill_end: usize,
+        external: Option<(usize, usize)>,
         cap: bool,
-    ) -> Option<i64> {
-        let mut needed = Some(0i64);
+    ) -> Option<(i64, i64)> {
+        let (mut needed, mut taken, mut deferred) = (0i64, 0i64, false);
         let groups = self.config.groups.iter().zip(&mut held.groups).zip(&self.align);
         for (g, ((spec, blocks), align)) in groups.enumerate() {
             let hits = hits.get(g).copied().unwrap_or_default();
@@ -356,8 +362,9 @@ impl KvCacheEngine {
                     hits,
                     total_computed,
                     cap,
-                );
-                needed = needed.map(|n| n + count as i64);
+                ) as i64;
+                needed += count;
+                taken += count;
                 continue;
             };
             let demand = mamba::num_blocks_to_allocate(
@@ -370,17 +377,29 @@ impl KvCacheEngine {
                 prefill_end,
                 &self.cached_this_step,
             );
-            match demand {
-                mamba::Demand::Defer => needed = None,
-                mamba::Demand::Blocks { blocks: count, checkpoint } => {
-                    if !cap {
-                        blocks.mamba.checkpoint = checkpoint;
-                    }
-                    needed = needed.map(|n| n + count);
-                }
+            let mamba::Demand::Blocks { blocks: count, checkpoint } = demand else {
+                deferred = true;
+                continue;
+            };
+            needed += count;
+            taken += match external {
+                Some(tokens) => mamba::num_blocks_taken(
+                    align,
+                    spec,
+                    &self.pool,
+                    blocks,
+                    hits,
+                    tokens,
+                    main,
+                    checkpoint.is_some(),
+                ) as i64,
+                None => count,
+            };
+            if !cap {
+                blocks.mamba.checkpoint = checkpoint;
             }
         }
-        needed
+        (!deferred).then_some((needed, taken))
     }
 
     /// vLLM's `remove_skipped_blocks` for every group: frees what no later token reads once
@@ -404,7 +423,9 @@ impl KvCacheEngine {
     /// took for each group), false when the pool cannot provide them. A false return may
     /// still have freed blocks that fell out of a sliding window or chunk (vLLM frees those
     /// first, whatever the outcome); an error changes no block or table (only
-    /// [`Self::last_registered`], which describes every call, failed ones included). `hits`
+    /// [`Self::last_registered`], which describes every call, failed ones included), but for
+    /// [`CoreError::Unsound`]: a table the allocation left does not hold what its request
+    /// needs (a bug, caught after the fact: see `invariant`). `hits`
     /// are the prefix hits per group (none: no group has any). `before_new_blocks` runs once
     /// the allocation is certain, after the hits are adopted and before new blocks are taken
     /// (the embedded manager's copy-on-write, which takes `args.extra_blocks` blocks).
@@ -444,11 +465,14 @@ impl KvCacheEngine {
         };
         let prefill_end =
             self.prefill_end(request.num_prompt_tokens.max(request.num_tokens.saturating_sub(1)));
+        // A first allocation adopts its hits and external tokens (see below).
+        let first = (!no_hits(hits) || external > 0) && !held.is_tracked();
+        let adopts_external = (first && external > 0).then_some((local, external));
         let free = self.pool.num_free_blocks() as i64;
         if args.full_sequence_must_fit {
             let whole = request.num_tokens.min(max_len);
-            match self.blocks_needed(held, whole, whole, hits, total, prefill_end, true) {
-                Some(n) if n + watermark as i64 <= free => {}
+            match self.blocks_needed(held, whole, whole, hits, total, prefill_end, None, true) {
+                Some((n, _)) if n + watermark as i64 <= free => {}
                 _ => return Ok(false),
             }
         }
@@ -468,16 +492,29 @@ impl KvCacheEngine {
         self.remove_skipped_blocks(held, processed);
         // vLLM counts this chunk's blocks from the computed tokens before the max_model_len cap
         // (the full-sequence gate above uses the capped count).
-        let needed = self.blocks_needed(held, slots, main, hits, computed, prefill_end, false);
-        let Some(needed) = needed else { return Ok(false) };
-        // vLLM's `needed + watermark > free - reserved` (the count may be negative).
+        let needed = self.blocks_needed(
+            held,
+            slots,
+            main,
+            hits,
+            computed,
+            prefill_end,
+            adopts_external,
+            false,
+        );
+        let Some((needed, taken)) = needed else { return Ok(false) };
+        // vLLM's `needed + watermark > free - reserved` (the count may be negative); and
+        // never more blocks than are free (where vLLM's count falls short, its pool runs dry).
         let extra =
             args.extra_blocks.saturating_add(watermark).saturating_add(args.reserved_blocks);
-        if needed.saturating_add(extra as i64) > self.pool.num_free_blocks() as i64 {
+        let free_before = self.pool.num_free_blocks();
+        if needed.saturating_add(extra as i64) > free_before as i64
+            || taken.saturating_add(args.extra_blocks as i64) > free_before as i64
+        {
             return Ok(false);
         }
 
-        if (!no_hits(hits) || external > 0) && !held.is_tracked() {
+        if first {
             // A first allocation adopting hits (check_hits: caching on) or external tokens.
             // Touch every group's hits before any group takes new blocks, so none can evict
             // another's hit; then the blocks for the external tokens.
@@ -508,6 +545,16 @@ impl KvCacheEngine {
         {
             self.cache_with_keys(held, request, cache_upto, &keys, hashes);
         }
+        let allocation = invariant::Allocation {
+            slots,
+            main,
+            computed,
+            total,
+            first,
+            taken: free_before.saturating_sub(self.pool.num_free_blocks()),
+        };
+        let counted = needed.max(taken).saturating_add(args.extra_blocks as i64);
+        self.check_allocation(held, &allocation, counted)?;
         Ok(true)
     }
 
@@ -827,8 +874,8 @@ impl KvCacheEngine {
     ) -> i64 {
         // vLLM answers a deferral with one block more than the pool has.
         let prefill_end = self.prefill_end(prefill_end);
-        self.blocks_needed(held, num_tokens, main, &[], total_computed, prefill_end, cap)
-            .unwrap_or(self.pool.num_blocks() as i64 + 1)
+        self.blocks_needed(held, num_tokens, main, &[], total_computed, prefill_end, None, cap)
+            .map_or(self.pool.num_blocks() as i64 + 1, |(needed, _)| needed)
     }
 
     /// Where vLLM's Mamba groups place the prompt's checkpoint for a prefill ending at

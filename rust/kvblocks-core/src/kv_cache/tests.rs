@@ -669,3 +669,121 @@ fn evicting_blocks_drops_their_keys_and_zeroing_records_a_table_again() {
     m.record_blocks_for_zeroing("unknown", 0).unwrap();
     assert!(m.take_new_block_ids().is_empty());
 }
+
+/// Jamba's layout in miniature: three Mamba groups (prefix caching on: vLLM's "align"
+/// mode) and one full-attention group, 16-token blocks, `num_blocks` in the pool.
+fn jamba(num_blocks: u32) -> KvCacheEngine {
+    KvCacheEngine::new(EngineConfig {
+        groups: vec![mamba(16, 0), mamba(16, 0), mamba(16, 0), full(16)],
+        lookup_sets: vec![vec![3], vec![0, 1, 2]],
+        ..EngineConfig::single_group(num_blocks, 16, 1 << 20)
+    })
+    .unwrap()
+}
+
+/// A request of 18 tokens coming back with 16 of them loaded from a KV connector in this
+/// step (a synchronous load) and 2 to compute.
+fn sync_load() -> (RequestState, AllocateArgs) {
+    let args = AllocateArgs {
+        num_new_tokens: 2,
+        num_external_computed_tokens: 16,
+        full_sequence_must_fit: true,
+        ..AllocateArgs::default()
+    };
+    (state(18), args)
+}
+
+#[test]
+fn a_mamba_state_loaded_from_a_connector_is_counted_before_admission() {
+    // tests/vllm_tier/data/jamba-offload-preempt.json (docs/vllm.md, "Where kvblocks
+    // differs"): each Mamba group takes the loaded state's column and the running state's
+    // column, 2 blocks, and the full-attention group ceil(18 / 16) = 2. vLLM counts each Mamba
+    // group 1 (its cap of one column per chunk), 5 in all, so with 7 free blocks it admits the
+    // request and its pool runs dry in the last group. kvblocks also checks the 8 blocks it
+    // takes: with 7 free it refuses, changing nothing.
+    let (request, args) = sync_load();
+    let hashes = hashes(1..2);
+    let mut short = jamba(8); // 7 usable blocks
+    let mut held = RequestBlocks::new(4);
+    let done = short.allocate_slots(&mut held, &request, &args, &[], &hashes[..], |_, _| {});
+    assert_eq!(done, Ok(false));
+    assert_eq!(short.num_free_blocks(), 7);
+    assert!(held.groups.iter().all(|g| g.blocks.is_empty()));
+
+    let mut enough = jamba(9); // 8 usable blocks: exactly what it takes
+    let mut held = RequestBlocks::new(4);
+    let done = enough.allocate_slots(&mut held, &request, &args, &[], &hashes[..], |_, _| {});
+    assert_eq!(done, Ok(true));
+    assert_eq!(enough.num_free_blocks(), 0);
+    for group in &held.groups {
+        assert_eq!(group.blocks.len(), 2);
+        assert!(group.blocks.iter().all(|&b| b != NULL_BLOCK));
+    }
+}
+
+#[test]
+fn a_planted_under_allocation_is_caught_naming_the_group() {
+    // Something takes one of the counted blocks while the allocation runs (the pool "runs
+    // dry halfway", as vLLM's did in jamba-offload-preempt): the full-attention group, filled
+    // last, gets one block fewer than its tokens need. The invariant refuses to hand that
+    // table on.
+    let (request, args) = sync_load();
+    let hashes = hashes(1..2);
+    let mut engine = jamba(9);
+    let mut held = RequestBlocks::new(4);
+    let steal = |pool: &mut BlockPool, _: &mut RequestBlocks| {
+        pool.get_new_blocks(1);
+    };
+    let done = engine.allocate_slots(&mut held, &request, &args, &[], &hashes[..], steal);
+    let Err(CoreError::Unsound(what)) = done else { panic!("not caught: {done:?}") };
+    assert_eq!(what, "group 3: 1 blocks where 18 tokens need 2");
+    // The manager names the request too.
+    assert_eq!(
+        CoreError::Unsound(what.clone()).for_request("r3").to_string(),
+        format!("internal error in kvblocks (please report): a block table is unsound: request \"r3\", {what}")
+    );
+}
+
+#[test]
+fn the_invariant_names_a_short_table_and_a_block_no_request_holds() {
+    // Planted directly into a table the engine just allocated (a bug in a rule would leave
+    // the same): one block short in the full-attention group, then a column holding a free
+    // block in a Mamba group.
+    let (request, args) = sync_load();
+    let hashes = hashes(1..2);
+    let mut engine = jamba(12);
+    let mut held = RequestBlocks::new(4);
+    let free_before = engine.num_free_blocks();
+    engine.allocate_slots(&mut held, &request, &args, &[], &hashes[..], |_, _| {}).unwrap();
+    let call = invariant::Allocation {
+        slots: 18,
+        main: 18,
+        computed: 16,
+        total: 16,
+        first: true,
+        taken: free_before - engine.num_free_blocks(),
+    };
+    assert_eq!(engine.check_allocation(&held, &call, 8), Ok(()));
+
+    let mut one_short = held.clone();
+    one_short.groups[3].blocks.pop();
+    assert_eq!(
+        engine.check_allocation(&one_short, &call, 8),
+        Err(CoreError::Unsound("group 3: 1 blocks where 18 tokens need 2".into()))
+    );
+
+    let mut stale = held.clone();
+    let free = engine.pool().free_block_ids().next().unwrap();
+    stale.groups[1].blocks[1] = free;
+    let Err(CoreError::Unsound(what)) = engine.check_allocation(&stale, &call, 8) else {
+        panic!("a free block in a table was not caught")
+    };
+    assert!(what.starts_with("group 1: column 1 holds block"), "{what}");
+    assert!(what.ends_with("which no request references"), "{what}");
+
+    // More blocks taken than counted is caught even when every table is whole.
+    let Err(CoreError::Unsound(what)) = engine.check_allocation(&held, &call, 5) else {
+        panic!("an under-count was not caught")
+    };
+    assert_eq!(what, "the allocation took 8 free blocks after counting 5");
+}

@@ -413,6 +413,11 @@ impl BlockManager {
         if short {
             return Err(CoreError::Internal("copy-on-write found no free block"));
         }
+        if let Err(error @ CoreError::Unsound(_)) = new {
+            let handle = self.requests.handle(slot);
+            let id = self.requests.iter().find(|&(_, h, _)| h == handle).map(|(id, _, _)| id);
+            return Err(error.for_request(id.unwrap_or("?")));
+        }
         if !new? {
             return Ok(false);
         }

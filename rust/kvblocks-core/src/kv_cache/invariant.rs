@@ -1,0 +1,123 @@
+//! What every successful `allocate_slots` leaves behind, checked before anyone reads it.
+//!
+//! The scheduler hands a request's block tables to the worker, which writes the KV (or the
+//! Mamba state) of every scheduled token into them: a table one block short means KV written
+//! outside the request's blocks, silently. So after each allocation the engine checks, per
+//! group of the request, that the table covers the tokens under that group's rule and that
+//! every block the new tokens use is a real block the request references (not the null
+//! block, not free, not out of the pool), and that the call took no more free blocks than it
+//! counted (vLLM's contract that the admission count predicts the allocation). A violation is
+//! [`CoreError::Unsound`] naming the group: a bug, never a bad argument, and never silent.
+//!
+//! The check reads only the columns this call added or must have (a few per group in a decode
+//! step), so it stays on in release builds; debug builds (the tests) also check every block
+//! of every table the call returns.
+
+use super::{AttentionKind, KvCacheEngine, RequestBlocks};
+use crate::pool::NULL_BLOCK;
+use crate::{CoreError, CoreResult};
+
+/// What one `allocate_slots` call decided, for [`KvCacheEngine::check_allocation`].
+pub(super) struct Allocation {
+    /// The slots every attention group must cover (computed, new and lookahead tokens).
+    pub slots: usize,
+    /// The main model's tokens once the chunk is done (what a Mamba group's state follows).
+    pub main: usize,
+    /// Computed tokens, local and external, before and after the model-length cap.
+    pub computed: usize,
+    pub total: usize,
+    /// Whether the call adopted prefix hits or external tokens (the table was built anew).
+    pub first: bool,
+    /// Free blocks the call took (its count included every block it may take).
+    pub taken: usize,
+}
+
+/// The first token the next token reads in a group of this kind: its window, without the
+/// tokens vLLM retains beyond it for multi-token prediction (a prefix hit need not hold
+/// those: vLLM's sliding-window hit search adopts the null block there).
+fn first_read(kind: AttentionKind, num_computed: usize) -> usize {
+    match kind {
+        AttentionKind::SlidingWindow { window, .. } => {
+            AttentionKind::SlidingWindow { window, extra_retained: 0 }
+                .num_skipped_tokens(num_computed)
+        }
+        kind => kind.num_skipped_tokens(num_computed),
+    }
+}
+
+fn unsound(group: usize, what: String) -> CoreError {
+    CoreError::Unsound(format!("group {group}: {what}"))
+}
+
+impl KvCacheEngine {
+    /// Checks what a successful allocation must leave (see the module's documentation);
+    /// `counted` is the count the call admitted the request with, extra blocks included.
+    pub(super) fn check_allocation(
+        &self,
+        held: &RequestBlocks,
+        call: &Allocation,
+        counted: i64,
+    ) -> CoreResult<()> {
+        if call.taken as i64 > counted.max(0) {
+            return Err(CoreError::Unsound(format!(
+                "the allocation took {} free blocks after counting {counted}",
+                call.taken
+            )));
+        }
+        let groups = self.config.groups.iter().zip(&held.groups).zip(&self.align);
+        for (g, ((spec, group), align)) in groups.enumerate() {
+            let blocks = &group.blocks;
+            let b = spec.block_size;
+            // The columns the group must hold, and the first of them that must be live.
+            let (need, live_from, also) = match align {
+                None => {
+                    let need = (call.slots + spec.kind.extra_slots(b)).div_ceil(b);
+                    let live = first_read(spec.kind, call.computed) / b;
+                    let from =
+                        if call.first { 0 } else { self.new_from.get(g).copied().unwrap_or(0) };
+                    // At least the last column, unless the window reads none of them.
+                    (need, from.min(need.saturating_sub(1)).max(live), [None, None])
+                }
+                Some(align) => {
+                    // The running state's column and the K speculative ones after it; the
+                    // checkpoint column; on a first allocation the loaded state's column.
+                    let running = call.main.div_ceil(b).saturating_sub(1);
+                    let loaded = (call.first && call.total > 0 && call.total == call.computed)
+                        .then(|| (call.total - 1) / b);
+                    let checkpoint = group.mamba.checkpoint.map(|(_, column)| column);
+                    (running + 1 + align.speculative_blocks, running, [checkpoint, loaded])
+                }
+            };
+            if blocks.len() < need {
+                return Err(unsound(
+                    g,
+                    format!("{} blocks where {} tokens need {need}", blocks.len(), call.slots),
+                ));
+            }
+            let columns = (live_from..need).chain(also.into_iter().flatten());
+            for column in columns {
+                let block = blocks.get(column).copied().unwrap_or(NULL_BLOCK);
+                if !self.pool.is_in_use(block) {
+                    return Err(unsound(
+                        g,
+                        format!(
+                            "column {column} holds block {block} (reference count {}), \
+                             which no request references",
+                            self.pool.ref_cnt(block)
+                        ),
+                    ));
+                }
+            }
+            #[cfg(debug_assertions)]
+            for (column, &block) in blocks.iter().enumerate() {
+                if block != NULL_BLOCK && !self.pool.is_in_use(block) {
+                    return Err(unsound(
+                        g,
+                        format!("column {column} holds block {block}, which is not in use"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
