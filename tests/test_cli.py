@@ -5,6 +5,7 @@ the checks of numeric arguments, the install hints, and the vLLM engine's logs."
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -471,3 +472,91 @@ def test_the_chart_puts_bookkeeping_on_an_axis_of_its_own(
     # Within each round: 200/10, 300/20, 250/30; the median is 15 (not 250/20 = 12.5).
     assert bookkeeping.get_title() == "bookkeeping: Rust 15.0x faster"
     capsys.readouterr()
+
+
+def test_a_workload_no_pool_can_hold_is_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The arithmetic runs first: a 100-million-token prompt is refused at once, without
+    building its prompts (which took 23 GB before) and without torch."""
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    assert cli.main(["bench", "--prefix-len", "100000000"]) == 2
+    elapsed = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert elapsed < 1.0
+    assert peak < 20_000_000  # bytes: no prompt was built
+    # 100,000,000 + 64 prompt tokens and 32 output tokens, less the last, in blocks of 16.
+    assert capsys.readouterr().err == (
+        "kvblocks: error: the pool cannot hold a single request: raise num_blocks "
+        "(--num-blocks 4096; one request needs up to 6250006)\n"
+    )
+
+
+def test_a_vllm_pool_that_cannot_hold_one_request_is_refused_before_the_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--engine vllm --num-blocks 10``: vLLM's scheduler used to wait forever for room; the
+    arithmetic refuses it once vLLM is imported, before any configuration is built."""
+    pytest.importorskip("vllm")
+    assert cli.main(["bench", "--engine", "vllm", "--num-blocks", "10"]) == 2
+    # 1,500 + 500 prompt tokens and 32 output tokens, less the last, in blocks of 16.
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "kvblocks: error: the pool cannot hold a single request: --num-blocks 10 per group; "
+        "one request needs up to 127 in a full-attention group"
+    )
+
+
+def test_a_plot_into_a_missing_directory_is_refused_before_the_benchmark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    missing = tmp_path / "no" / "x.png"
+    assert cli.main([*TINY_BENCH, "--plot", str(missing)]) == 2
+    message = f"--plot {missing}: there is no directory {missing.parent}\n"
+    assert capsys.readouterr() == ("", message)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("hello", "kvblocks: error: stdin must hold a JSON list of token ids (Expecting value: "),
+        ('{"a": 1}', "kvblocks: error: stdin must hold a JSON list of token ids, not a dict"),
+    ],
+)
+def test_hash_says_what_its_input_must_be(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    assert cli.main(["hash"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(message)
+    assert len(err.splitlines()) == 1
+
+
+def test_hash_of_fewer_tokens_than_a_block_says_there_is_no_full_block(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("[1, 2]"))
+    assert cli.main(["hash"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "kvblocks hash: 2 tokens make no full 16-token block: no block hash (vLLM hashes full "
+        "blocks only)\n"
+    )
+    # 16 tokens: one hash, and nothing on stderr.
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(list(range(16)))))
+    assert cli.main(["hash"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.split()) == 1
+    assert err == ""

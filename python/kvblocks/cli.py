@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import kvblocks
@@ -152,6 +153,10 @@ def bench(args: argparse.Namespace) -> int:
         except ModuleNotFoundError:
             print(f"--plot needs matplotlib: {install_hint('plot')}", file=sys.stderr)
             return 2
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir():  # found before the benchmark runs, not after
+            print(f"--plot {args.plot}: there is no directory {folder}", file=sys.stderr)
+            return 2
     other = "kvblocks" if args.engine == "vllm" else "vllm"
     names = _KVBLOCKS_ENGINE_ONLY if other == "kvblocks" else _VLLM_ENGINE_ONLY
     given = [f"--{name}" for name in names if getattr(args, name) is not None]
@@ -188,6 +193,12 @@ def bench_engine(args: argparse.Namespace) -> int:
         num_blocks=KVBLOCKS_ENGINE_NUM_BLOCKS,
         max_num_batched_tokens=KVBLOCKS_ENGINE_MAX_NUM_BATCHED_TOKENS,
     )
+    needs = _blocks_one_request_needs(args)
+    if needs > args.num_blocks - 1:  # block 0 is the null block; arithmetic before any work
+        raise ValueError(
+            f"the pool cannot hold a single request: raise num_blocks (--num-blocks "
+            f"{args.num_blocks}; one request needs up to {needs})"
+        )
     try:
         import torch
 
@@ -235,8 +246,6 @@ def bench_engine(args: argparse.Namespace) -> int:
                 progress=_show_bar,
             )
         except PoolTooSmall as e:
-            longest = args.prefix_len + args.suffix_len + args.output_len
-            needs = -(-longest // args.block_size)
             raise RuntimeError(
                 f"{e} (--num-blocks {args.num_blocks}; one request needs up to {needs})"
             ) from e
@@ -260,6 +269,14 @@ def bench_engine(args: argparse.Namespace) -> int:
     if args.plot:
         plot(result, args.plot)
     return 0
+
+
+def _blocks_one_request_needs(args: argparse.Namespace) -> int:
+    """The blocks of one full-attention group that a request of the workload needs at its
+    longest: its prompt and every output token but the last (which is sampled, never fed)."""
+    slots: int = args.prefix_len + args.suffix_len + args.output_len - 1
+    block_size: int = args.block_size
+    return -(-slots // block_size)
 
 
 def _engine_defaults(args: argparse.Namespace, **defaults: Any) -> None:
@@ -331,6 +348,14 @@ def bench_vllm(args: argparse.Namespace) -> int:
         except ModuleNotFoundError as e:
             print(vllm_missing_message(e), file=sys.stderr)
             return 2
+        needs = _blocks_one_request_needs(args)
+        if any(kind in ("full", "mla") for kind, _ in layout_groups(args.layout)) and (
+            needs > args.num_blocks - 1
+        ):  # a full-attention group holds every block of a request (block 0: the null block)
+            raise ValueError(
+                f"the pool cannot hold a single request: --num-blocks {args.num_blocks} per "
+                f"group; one request needs up to {needs} in a full-attention group"
+            )
         workload = Workload(
             num_requests=args.num_requests,
             prompt_len=args.prefix_len + args.suffix_len,
@@ -429,8 +454,21 @@ def _plot_vllm(result: Any, path: str) -> None:
 
 def hash_command(args: argparse.Namespace) -> int:
     source = sys.stdin if args.file == "-" else open(args.file)  # noqa: SIM115
+    name = "stdin" if args.file == "-" else args.file
     with source:
-        tokens = json.load(source)
+        try:
+            tokens = json.load(source)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must hold a JSON list of token ids ({e})") from None
+    if not isinstance(tokens, list):
+        kind = type(tokens).__name__
+        raise ValueError(f"{name} must hold a JSON list of token ids, not a {kind}")
+    if len(tokens) < args.block_size:
+        print(
+            f"kvblocks hash: {len(tokens)} tokens make no full {args.block_size}-token block: "
+            "no block hash (vLLM hashes full blocks only)",
+            file=sys.stderr,
+        )
     hasher = kvblocks.BlockHasher(args.algo, block_size=args.block_size, seed=args.seed)
     lora = tuple(args.lora) if args.lora else None
     for h in hasher.hash_blocks(tokens, cache_salt=args.cache_salt, lora=lora):

@@ -76,3 +76,16 @@ def test_a_timed_run_freezes_the_start_up_heap_as_engine_core_does(
     assert len(frozen_during) == 1
     assert frozen_during[0] > before
     assert gc.get_freeze_count() == before
+
+
+def test_a_pool_that_cannot_hold_one_request_stops_the_run() -> None:
+    """A layout whose pool cannot hold one request and that the command line's arithmetic
+    does not cover (no full-attention group): vLLM's scheduler admits nothing, and the run
+    stops with an error after STALLED_STEPS steps instead of looping forever."""
+    from kvblocks.vllm.bench_driver import SchedulerSpec, Workload, timed_run, tiny_model_dir
+    from kvblocks.vllm.bench_driver.timing import STALLED_STEPS
+
+    spec = SchedulerSpec(block_size=16, num_blocks=3, layout=[("sliding_window", 64)])
+    workload = Workload(num_requests=2, prompt_len=200, shared_len=100, output_len=2)
+    with pytest.raises(ValueError, match=f"admitted no request in {STALLED_STEPS} steps"):
+        timed_run(tiny_model_dir(), spec, workload)

@@ -199,6 +199,12 @@ def _static_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
+#: Steps in a row in which vLLM's scheduler schedules nothing while no request runs, after
+#: which a run stops with an error (the pool cannot hold one request; a KV connector's load
+#: keeps a request waiting a step or two, never this long).
+STALLED_STEPS = 100
+
+
 def _drive(
     scheduler: Any, spec: SchedulerSpec, workload: Workload, instrument: bool
 ) -> tuple[Timings, list[tuple[Any, ...]]]:
@@ -235,10 +241,17 @@ def _drive(
     timings.hashing = hasher_slot[1]
     manager_at_arrival = sum(s for _, s in timings.manager_calls.values())
     snapshots = []
+    idle = 0  # steps in a row that scheduled nothing with no request running
     while scheduler.has_requests():
         start = clock()
         out = scheduler.schedule()
         timings.schedule += clock() - start
+        idle = idle + 1 if not out.total_num_scheduled_tokens and not scheduler.running else 0
+        if idle > STALLED_STEPS:
+            raise ValueError(
+                f"vLLM's scheduler admitted no request in {STALLED_STEPS} steps: the pool "
+                f"({spec.num_blocks} blocks) cannot hold one request; raise --num-blocks"
+            )
         # The model's step (and the connector's fake worker side) is not the scheduler's.
         result = model.execute(scheduler, out)
         drafts = model.take_draft_token_ids()
