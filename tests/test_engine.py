@@ -215,3 +215,35 @@ def test_the_scheduler_only_calls_the_batched_step_per_step() -> None:
     assert calls.count("remove_request") == len(PROMPTS)
     assert set(calls) <= {"schedule_step", "remove_request", "add_request", "block_size"}
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_tokens": "3"}, TypeError, "max_tokens must be an int, not str"),
+        ({"max_tokens": 2.0}, TypeError, "max_tokens must be an int, not float"),
+        ({"n": True}, TypeError, "n must be an int, not bool"),
+        ({"seed": "1"}, TypeError, "seed must be an int or None, not str"),
+        ({"temperature": "0"}, TypeError, "temperature must be a number, not str"),
+        ({"max_tokens": 0}, ValueError, "max_tokens must be >= 1, got 0"),
+        ({"n": 0}, ValueError, "n must be >= 1, got 0"),
+        ({"temperature": -1.0}, ValueError, "temperature must be >= 0, got -1.0"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be >= 0, got nan"),
+        ({"top_p": 2}, ValueError, r"top_p must be in \(0, 1\], got 2"),
+        ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\], got 0.0"),
+    ],
+)
+def test_sampling_params_name_the_field(kwargs: dict[str, Any], error: type, message: str) -> None:
+    with pytest.raises(error, match=f"^{message}$"):
+        SamplingParams(**kwargs)
+
+
+def test_generate_says_what_sampling_params_must_be() -> None:
+    llm = LLM(MODEL, block_size=4)
+    with pytest.raises(TypeError, match=r"^sampling_params must be a SamplingParams .*not dict$"):
+        llm.generate([PROMPTS[0]], {"max_tokens": 3})  # type: ignore[arg-type]
+
+
+def test_a_hub_name_is_not_a_directory() -> None:
+    with pytest.raises(FileNotFoundError, match=r"from a local directory .* never from a hub"):
+        LLM("meta-llama/Llama-3.2-1B")

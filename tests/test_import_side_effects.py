@@ -77,3 +77,26 @@ def test_no_module_of_the_package_sets_environment_variables_at_import() -> None
     if "vllm" not in result["missing"].values():
         assert {"kvblocks.vllm.bench", "kvblocks.vllm.bench_driver.config"} <= imported
         assert {w[0].split(".")[0] for w in result["writes"]} >= {"vllm"}
+
+
+def test_the_engine_without_torch_says_how_to_install_it() -> None:
+    """``from kvblocks import LLM`` where torch is missing: the install hint, not torch's
+    bare ModuleNotFoundError (torch is hidden from a fresh interpreter)."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n"
+        "    from kvblocks import LLM\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print(e.name, '|', e)\n"
+    )
+    package_root = str(Path(kvblocks.__file__).parent.parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == (
+        "torch | kvblocks.LLM (the embedded engine) needs torch: "
+        'pip install ".[torch]" in a kvblocks checkout\n'
+    )

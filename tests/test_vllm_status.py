@@ -17,11 +17,12 @@ def fresh_process(code: str, kvblocks_vllm: str | None) -> list[str]:
     return out.stdout.splitlines()
 
 
-def installed_vllm() -> str | None:
+def installed_vllm() -> str:
+    """How status() names the installed vLLM."""
     try:
-        return version("vllm")
+        return f"vllm {version('vllm')}"
     except PackageNotFoundError:
-        return None
+        return "vLLM not installed"
 
 
 @pytest.mark.parametrize(("env", "mode"), [(None, "all"), ("hasher", "hasher"), (" OFF ", "off")])
@@ -29,7 +30,7 @@ def test_a_fresh_process_says_vllm_has_not_loaded_it_yet(env: str | None, mode: 
     lines = fresh_process("print(v.status())\nprint(v.status().mode)", env)
     assert lines == [
         "kvblocks.vllm: not loaded yet: vLLM loads kvblocks when an engine starts; "
-        f"KVBLOCKS_VLLM={mode}, vllm {installed_vllm()}",
+        f"KVBLOCKS_VLLM={mode}, {installed_vllm()}",
         "off",  # the mode installed: none yet
     ]
 
@@ -37,6 +38,6 @@ def test_a_fresh_process_says_vllm_has_not_loaded_it_yet(env: str | None, mode: 
 def test_once_loaded_off_or_uninstalled_it_says_mode_off() -> None:
     # register() is what vLLM's plugin loader calls; with "off" it installs nothing.
     lines = fresh_process("v.register()\nprint(v.status())\nprint(v.status().pending_mode)", "off")
-    assert lines == [f"kvblocks.vllm: mode=off, vllm {installed_vllm()}: nothing active", "None"]
+    assert lines == [f"kvblocks.vllm: mode=off, {installed_vllm()}: nothing active", "None"]
     lines = fresh_process("v.uninstall()\nprint(v.status())", None)
-    assert lines == [f"kvblocks.vllm: mode=off, vllm {installed_vllm()}: nothing active"]
+    assert lines == [f"kvblocks.vllm: mode=off, {installed_vllm()}: nothing active"]

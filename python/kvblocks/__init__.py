@@ -20,8 +20,17 @@ from kvblocks.step import ScheduledStep, StepBuffers
 def __getattr__(name: str) -> object:
     # The engine needs torch (the kvblocks[torch] extra); import it only when asked for.
     if name in ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput"):
-        from kvblocks import engine
+        try:
+            from kvblocks import engine
+        except ModuleNotFoundError as error:
+            if error.name != "torch":
+                raise
+            from kvblocks._install import install_hint
 
+            raise ModuleNotFoundError(
+                f"kvblocks.{name} (the embedded engine) needs torch: {install_hint('torch')}",
+                name="torch",
+            ) from error
         return getattr(engine, name)
     raise AttributeError(f"module 'kvblocks' has no attribute {name!r}")
 

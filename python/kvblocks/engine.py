@@ -37,10 +37,26 @@ class SamplingParams:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1 or self.n < 1:
-            raise ValueError("max_tokens and n must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+        for name in ("max_tokens", "n", "seed", "eos_token_id"):
+            value = getattr(self, name)
+            optional = name in ("seed", "eos_token_id")
+            if not (isinstance(value, int) and not isinstance(value, bool)) and not (
+                optional and value is None
+            ):
+                kind = "an int or None" if optional else "an int"
+                raise TypeError(f"{name} must be {kind}, not {type(value).__name__}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not self.temperature >= 0:  # NaN too
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass
@@ -189,6 +205,11 @@ class LLM:
         1-D integer numpy arrays); ``progress(finished, total)`` is called after each step.
         Anything but integer token ids in the vocabulary raises ``TypeError`` or
         ``ValueError`` naming the prompt and the position, before anything is scheduled."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(
+                "sampling_params must be a SamplingParams (e.g. SamplingParams(max_tokens=3)), "
+                f"not {type(sampling_params).__name__}"
+            )
         params = sampling_params or SamplingParams()
         # Engine input, neither bookkeeping nor model time.
         prompts = checked_prompts(prompt_token_ids, self.model.config.vocab_size)

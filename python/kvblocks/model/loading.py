@@ -19,6 +19,11 @@ def load_pretrained(
     from safetensors.torch import load_file
 
     directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"{path}: no such directory; kvblocks loads a checkpoint from a local directory "
+            "(config.json and *.safetensors), never from a hub: download it first"
+        )
     config = LlamaConfig.from_json(directory / "config.json")
     files = sorted(directory.glob("*.safetensors"))
     if not files:

@@ -80,13 +80,14 @@ class Status:
     pending_mode: str | None = None
 
     def __str__(self) -> str:
+        vllm = f"vllm {self.vllm_version}" if self.vllm_version else "vLLM not installed"
         if self.pending_mode is not None:
             return (
                 "kvblocks.vllm: not loaded yet: vLLM loads kvblocks when an engine starts; "
-                f"{ENV_VAR}={self.pending_mode}, vllm {self.vllm_version}"
+                f"{ENV_VAR}={self.pending_mode}, {vllm}"
             )
         parts = ", ".join(f"{k} on {v}" for k, v in self.active.items()) or "nothing active"
-        text = f"kvblocks.vllm: mode={self.mode}, vllm {self.vllm_version}: {parts}"
+        text = f"kvblocks.vllm: mode={self.mode}, {vllm}: {parts}"
         for reason, count in self.fallbacks.items():
             text += f"\n  fallback x{count}: {reason}"
         return text
