@@ -247,3 +247,15 @@ def test_generate_says_what_sampling_params_must_be() -> None:
 def test_a_hub_name_is_not_a_directory() -> None:
     with pytest.raises(FileNotFoundError, match=r"from a local directory .* never from a hub"):
         LLM("meta-llama/Llama-3.2-1B")
+
+
+def test_a_pool_too_small_says_how_many_blocks_the_shortest_request_needs() -> None:
+    from kvblocks.engine import PoolTooSmall
+
+    llm = LLM(MODEL, block_size=4, num_blocks=3)  # 2 usable blocks
+    with pytest.raises(
+        PoolTooSmall,
+        match=r"\(num_blocks 3, of which block 0 is the null block; "
+        r"the shortest waiting request needs 5 blocks\)$",
+    ):
+        llm.generate([list(range(1, 18))], SamplingParams(max_tokens=2))

@@ -4,6 +4,7 @@ raise the same exception type, and a failed call changes nothing."""
 from __future__ import annotations
 
 import array
+import re
 from types import ModuleType
 from typing import Any
 
@@ -198,3 +199,43 @@ def test_failed_append_changes_nothing(impl: ModuleType) -> None:
         seq.get_prefix_token_ids(-1)
     with pytest.raises(TypeError):
         seq.get_prefix_token_ids(1.0)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "message"),
+    [
+        (1, "num_blocks must be >= 2 (block 0 is the null block), got 1"),
+        (0, "num_blocks must be >= 2 (block 0 is the null block), got 0"),
+        (-3, "num_blocks must be >= 2 (block 0 is the null block), got -3"),
+        (
+            10**12,
+            # 2**31 - 1 slots of 16 tokens: 134,217,727 blocks
+            "num_blocks * block_size = 1000000000000 * 16 exceeds the int32 slot range "
+            "(at most 134217727 blocks of 16 tokens)",
+        ),
+    ],
+)
+def test_a_pool_size_that_cannot_work_says_the_limit(
+    impl: ModuleType, num_blocks: int, message: str
+) -> None:
+    """One block is only the null block (nothing could ever be allocated); a pool past the
+    int32 slot ids says how many blocks fit."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        impl.BlockManager(num_blocks, 16)
+    assert impl.BlockManager(2, 16).num_free_blocks == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_num_reqs": -1}, ValueError, "max_num_reqs must be >= 1, got -1"),
+        ({"max_num_tokens": 0}, ValueError, "max_num_tokens must be >= 1, got 0"),
+        ({"max_blocks_per_req": "2"}, TypeError, "max_blocks_per_req must be an int, got str"),
+    ],
+)
+def test_step_buffers_name_a_bad_size(kwargs: dict[str, Any], error: type, message: str) -> None:
+    from kvblocks import StepBuffers
+
+    sizes = {"max_num_reqs": 2, "max_num_tokens": 8, "max_blocks_per_req": 2, **kwargs}
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        StepBuffers.allocate(**sizes)

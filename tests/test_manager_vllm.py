@@ -257,7 +257,7 @@ def test_usage_excludes_the_null_block(impl: ModuleType) -> None:
     assert m.usage == 0.0
     admit(m, "a", list(range(20)))
     assert m.usage == pytest.approx(0.5)
-    assert impl.BlockManager(1, B).usage == 0.0
+    assert impl.BlockManager(2, B).usage == 0.0
 
 
 def test_watermark_reserves_blocks_at_admission(impl: ModuleType) -> None:

@@ -253,7 +253,13 @@ class LLM:
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         if out is None:
-            raise PoolTooSmall("the pool cannot hold a single request: raise num_blocks")
+            shortest = min(s.num_tokens for s in self.scheduler.waiting)
+            needs = -(-shortest // self.manager.block_size)
+            raise PoolTooSmall(
+                f"the pool cannot hold a single request: raise num_blocks (num_blocks "
+                f"{self.manager.num_blocks}, of which block 0 is the null block; the shortest "
+                f"waiting request needs {needs} blocks)"
+            )
         logits = self.runner.execute(out.step)
         self._bookkeeping_in_sampling = 0.0
         self.scheduler.update(self._sample(out, logits))

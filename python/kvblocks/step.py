@@ -36,6 +36,17 @@ class StepBuffers:
     def allocate(
         cls, max_num_reqs: int, max_num_tokens: int, max_blocks_per_req: int
     ) -> StepBuffers:
+        sizes = {
+            "max_num_reqs": max_num_reqs,
+            "max_num_tokens": max_num_tokens,
+            "max_blocks_per_req": max_blocks_per_req,
+        }
+        for name, value in sizes.items():
+            if not isinstance(value, int | np.integer) or isinstance(value, bool | np.bool_):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
         def i32(n: int) -> Int32Array:
             return np.zeros(n, dtype=np.int32)
 

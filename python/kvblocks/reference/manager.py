@@ -96,7 +96,7 @@ class BlockManager:
         ]:
             if not isinstance(flag, bool | np.bool_):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        num_blocks = size_arg(num_blocks, "num_blocks", 1)
+        num_blocks = int_arg(num_blocks, "num_blocks")
         block_size = size_arg(block_size, "block_size", 1)
         if hash_seed is not None:
             str_arg(hash_seed, "hash_seed")
@@ -105,12 +105,14 @@ class BlockManager:
             max_model_len = size_arg(max_model_len, "max_model_len", 1)
         if _debug_key_bytes is not None:
             _debug_key_bytes = size_arg(_debug_key_bytes, "_debug_key_bytes", 1)
-        if num_blocks >= 2**32 - 1:
-            raise ValueError(f"invalid num_blocks: {num_blocks}")
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
+            )
         if num_blocks * block_size > 2**31 - 1:
             raise ValueError(
                 f"num_blocks * block_size = {num_blocks} * {block_size} exceeds the int32 "
-                "slot range"
+                f"slot range (at most {(2**31 - 1) // block_size} blocks of {block_size} tokens)"
             )
         if not (math.isfinite(watermark) and watermark >= 0.0):
             raise ValueError(f"watermark must be a finite number >= 0, got {watermark}")

@@ -169,7 +169,13 @@ impl PyBlockManager {
         events_use_int_block_hashes: bool,
         _debug_key_bytes: Option<&Bound<'_, PyAny>>,
     ) -> GlueResult<Self> {
-        let num_blocks = size_arg(num_blocks, "num_blocks", 1)?;
+        // The core refuses fewer than 2 too; a negative count gets the same message here.
+        let value = int_arg(num_blocks, "num_blocks")?;
+        let Some(num_blocks) = usize::try_from(value).ok().filter(|n| *n >= 2) else {
+            let message =
+                format!("num_blocks must be >= 2 (block 0 is the null block), got {value}");
+            return Err(PyValueError::new_err(message).into());
+        };
         let block_size = size_arg(block_size, "block_size", 1)?;
         let algo = HashAlgo::from_name(hash_algo)?;
         let seed =

@@ -124,18 +124,24 @@ fn invalid(msg: impl Into<String>) -> CoreError {
 impl BlockManager {
     /// `config.num_blocks` includes the null block (id 0), as in vLLM.
     pub fn new(config: ManagerConfig, hasher: Arc<BlockHasher>) -> CoreResult<Self> {
-        let num_blocks = u32::try_from(config.num_blocks)
-            .ok()
-            .filter(|n| *n >= 1 && *n < u32::MAX)
-            .ok_or(CoreError::InvalidSize { what: "num_blocks", value: config.num_blocks })?;
         let block_size = hasher.block_size();
-        // Slot ids (block * block_size + offset) travel as int32, as in paged-attention kernels.
-        if config.num_blocks.checked_mul(block_size).is_none_or(|slots| slots > i32::MAX as usize) {
+        if config.num_blocks < 2 {
             return Err(invalid(format!(
-                "num_blocks * block_size = {} * {block_size} exceeds the int32 slot range",
+                "num_blocks must be >= 2 (block 0 is the null block), got {}",
                 config.num_blocks
             )));
         }
+        // Slot ids (block * block_size + offset) travel as int32, as in paged-attention kernels.
+        if config.num_blocks.checked_mul(block_size).is_none_or(|slots| slots > i32::MAX as usize) {
+            return Err(invalid(format!(
+                "num_blocks * block_size = {} * {block_size} exceeds the int32 slot range (at \
+                 most {} blocks of {block_size} tokens)",
+                config.num_blocks,
+                i32::MAX as usize / block_size
+            )));
+        }
+        let num_blocks = u32::try_from(config.num_blocks)
+            .map_err(|_| CoreError::InvalidSize { what: "num_blocks", value: config.num_blocks })?;
         if !(config.watermark.is_finite() && config.watermark >= 0.0) {
             return Err(invalid(format!(
                 "watermark must be a finite number >= 0, got {}",
