@@ -185,7 +185,7 @@ fn apply(m: &mut BlockManager, op: &Op) {
 proptest! {
     #[test]
     fn manager_operations_never_panic_and_keep_invariants(
-        num_blocks in 1usize..24,
+        num_blocks in 2usize..24,
         block_size in prop_oneof![Just(1usize), Just(2), Just(4)],
         verify in any::<bool>(),
         debug_key in any::<bool>(),
