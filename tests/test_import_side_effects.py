@@ -73,7 +73,9 @@ def test_no_module_of_the_package_sets_environment_variables_at_import() -> None
     # Not vacuous: the package's modules were imported, and where vLLM is installed, the
     # watch saw vLLM set its own variables as it was imported.
     imported = set(result["imported"])
-    assert {"kvblocks.cli", "kvblocks.engine", "kvblocks.vllm.block_hasher"} <= imported
+    assert {"kvblocks.cli", "kvblocks.vllm.block_hasher"} <= imported
+    if "torch" not in result["missing"].values():  # the engine is the [torch] extra's
+        assert "kvblocks.engine" in imported
     if "vllm" not in result["missing"].values():
         assert {"kvblocks.vllm.bench", "kvblocks.vllm.bench_driver.config"} <= imported
         assert {w[0].split(".")[0] for w in result["writes"]} >= {"vllm"}

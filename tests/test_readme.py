@@ -15,13 +15,16 @@ Bash blocks are not run.
 
 from __future__ import annotations
 
+import code
 import importlib.util
 import itertools
 import os
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,6 +116,34 @@ def test_python_block_runs_as_written(block: Block, tmp_path: Path) -> None:
             assert any(expected in line for line in lines), (
                 f"{block.name}: {expected!r} not printed; got:\n{printed[-4000:]}"
             )
+
+
+class _PastedConsole(code.InteractiveConsole):
+    """Python's interactive interpreter, fed a block line by line as a paste feeds it, that
+    compiles each statement it completes and runs none; it keeps the syntax errors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[str] = []
+
+    def runcode(self, code: Any) -> None:
+        pass
+
+    def showsyntaxerror(self, filename: str | None = None, **kwargs: Any) -> None:
+        error = sys.exc_info()[1]
+        self.errors.append(f"{type(error).__name__}: {error}")
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.name)
+def test_python_block_pastes_into_the_interactive_interpreter(block: Block) -> None:
+    """Pasted into ``python`` a blank line ends an indented block, and a statement cannot
+    follow a one-line compound statement without one: each block must still compile line by
+    line as the interpreter reads it."""
+    console = _PastedConsole()
+    for line in block.code.splitlines():
+        console.push(line)
+    console.push("")
+    assert console.errors == [], f"{block.name}: {console.errors}"
 
 
 INSTALL = re.compile(r"pip install ([^`\n#]*)")
