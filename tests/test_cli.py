@@ -560,3 +560,19 @@ def test_hash_of_fewer_tokens_than_a_block_says_there_is_no_full_block(
     out, err = capsys.readouterr()
     assert len(out.split()) == 1
     assert err == ""
+
+
+def test_bench_says_which_build_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Timings of a dev build (what .ci/run installs) are not the release's: the header says
+    which one ran."""
+    from kvblocks import _core
+
+    assert _core.BUILD_PROFILE in ("dev", "release")
+    assert cli.main(["bench-hashing", "--repeat", "1"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    if _core.BUILD_PROFILE == "release":
+        assert first.startswith(f"kvblocks {kvblocks.__version__} (release build): ")
+    else:
+        assert first.startswith(
+            f"kvblocks {kvblocks.__version__} (dev build: its timings are not the release's; "
+        )

@@ -11,6 +11,7 @@ from kvblocks.stats import PrefixCacheStats
 from kvblocks.step import ScheduledStep, StepBuffers
 
 __all__ = [
+    "BUILD_PROFILE",
     "HASH_ALGORITHMS",
     "BlockHasher",
     "BlockManager",
@@ -26,6 +27,8 @@ __all__ = [
 
 __version__: Final[str]
 HASH_ALGORITHMS: Final[tuple[str, str, str, str, str]]
+#: "release" (``pip install .``) or "dev" (a debug-assertion build, as ``.ci/run`` makes).
+BUILD_PROFILE: Final[str]
 
 #: A token-id sequence: list, tuple, range, array.array or a 1-D integer numpy array.
 _TokenIds = Iterable[int] | npt.NDArray[np.integer]

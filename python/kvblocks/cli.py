@@ -105,7 +105,7 @@ def bench_hashing(args: argparse.Namespace) -> int:
     print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
 
     print(
-        f"kvblocks {kvblocks.__version__}: block hashing, block size {args.block_size}, "
+        f"{_build()}: block hashing, block size {args.block_size}, "
         f"best of {args.repeat} runs (Rust) vs the pure-Python twin, same process\n"
     )
     header = f"{'workload':<36} {'algorithm':<12} {'Rust':>10} {'twin':>10} {'speed-up':>9}"
@@ -257,7 +257,7 @@ def bench_engine(args: argparse.Namespace) -> int:
     else:
         rounds = f"{args.rounds} timed runs"
     print(
-        f"kvblocks {kvblocks.__version__}: {args.num_requests} requests, {args.prefix_len}-token "
+        f"{_build()}: {args.num_requests} requests, {args.prefix_len}-token "
         f"shared prefix + {args.suffix_len} own tokens, {args.output_len} output tokens, "
         f"block size {args.block_size}, {args.hash_algo}, {model_name} on {device}, "
         f"{str(dtype).removeprefix('torch.')} KV cache of {args.num_blocks} blocks\n"
@@ -277,6 +277,18 @@ def _blocks_one_request_needs(args: argparse.Namespace) -> int:
     slots: int = args.prefix_len + args.suffix_len + args.output_len - 1
     block_size: int = args.block_size
     return -(-slots // block_size)
+
+
+def _build() -> str:
+    """``kvblocks 0.1.0 (release build)``, or a dev build and what to do about its timings."""
+    from kvblocks import _core
+
+    if _core.BUILD_PROFILE == "release":
+        return f"kvblocks {kvblocks.__version__} (release build)"
+    return (
+        f"kvblocks {kvblocks.__version__} (dev build: its timings are not the release's; "
+        "`pip install .` builds a release)"
+    )
 
 
 def _engine_defaults(args: argparse.Namespace, **defaults: Any) -> None:
@@ -388,7 +400,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
     _clear_bar()
     _print_logs(summary(during), "logged during the runs (each message once):")
     print(
-        f"\nkvblocks {kvblocks.__version__} in vLLM {status().vllm_version}: {args.num_requests} "
+        f"\n{_build()} in vLLM {status().vllm_version}: {args.num_requests} "
         f"requests, {workload.prompt_len}-token prompts sharing {workload.shared_len}, "
         f"{args.output_len} output tokens, block size {args.block_size}, "
         f"{args.hash_algo if spec.enable_caching else 'prefix caching off'}; "

@@ -32,6 +32,8 @@ use pyo3::types::PyTuple;
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // What `kvblocks bench` prints: timings of a dev build are not the product's.
+    m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "dev" } else { "release" })?;
     m.add("HASH_ALGORITHMS", PyTuple::new(m.py(), HASH_ALGORITHMS)?)?;
     m.add("KvBlocksError", m.py().get_type::<errors::KvBlocksError>())?;
     m.add_class::<hasher::PyBlockHasher>()?;
