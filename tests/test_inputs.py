@@ -228,8 +228,8 @@ def test_a_pool_size_that_cannot_work_says_the_limit(
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"max_num_reqs": -1}, ValueError, "max_num_reqs must be >= 1, got -1"),
-        ({"max_num_tokens": 0}, ValueError, "max_num_tokens must be >= 1, got 0"),
+        ({"max_num_reqs": -1}, ValueError, "max_num_reqs must be >= 0, got -1"),
+        ({"max_num_tokens": -2}, ValueError, "max_num_tokens must be >= 0, got -2"),
         ({"max_blocks_per_req": "2"}, TypeError, "max_blocks_per_req must be an int, got str"),
     ],
 )

@@ -44,8 +44,8 @@ class StepBuffers:
         for name, value in sizes.items():
             if not isinstance(value, int | np.integer) or isinstance(value, bool | np.bool_):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
 
         def i32(n: int) -> Int32Array:
             return np.zeros(n, dtype=np.int32)
