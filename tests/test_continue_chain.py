@@ -9,6 +9,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+import kvblocks
 from tests.oracle import VLLM_ALGOS, oracle_block, oracle_none_hash
 
 KEYS = {
@@ -54,6 +55,19 @@ def test_only_the_tail_of_a_list_is_read(impl: ModuleType) -> None:
     assert hasher.hash_blocks([-1, "x", 3, 4], parent=whole[0], start_block=1) == whole[1:]
     with pytest.raises(ValueError, match="index 2"):
         hasher.hash_blocks([1, 2, -3, 4], start_block=1)
+
+
+def test_only_the_tail_of_an_int32_buffer_is_read() -> None:
+    """vLLM 0.34 keeps a request's tokens in an ``array('i')`` (its ``TokenBuffer``): the Rust
+    reader converts and checks only the tokens from the start block on, as for a list, so that
+    hashing each new block of a long request does not read the whole context again."""
+    hasher = kvblocks.BlockHasher("sha256_cbor", block_size=2)
+    whole = hasher.hash_blocks([1, 2, 3, 4])
+    assert hasher.hash_blocks(array.array("i", [1, 2, 3, 4])) == whole
+    tail = array.array("i", [-1, -2, 3, 4])  # the positions before the start are not read
+    assert hasher.hash_blocks(tail, parent=whole[0], start_block=1) == whole[1:]
+    with pytest.raises(ValueError, match="token id -3 at index 2 is out of range"):
+        hasher.hash_blocks(array.array("i", [1, 2, -3, 4]), start_block=1)
 
 
 @pytest.mark.parametrize(

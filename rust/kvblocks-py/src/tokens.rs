@@ -3,6 +3,7 @@
 
 use numpy::prelude::*;
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArray};
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -243,9 +244,42 @@ pub fn extract_token_ids_from<'py>(
         let ids = from_sequence(tuple, get_item, tuple.len(), tuple.iter(), start)?;
         return Ok((ids, 0));
     }
+    if let Some(ids) = int32_buffer_from(obj, start, check_start)? {
+        return Ok((ids, 0));
+    }
     let ids = extract_other(obj)?;
     check_start(ids.as_slice().len())?;
     Ok((ids, start))
+}
+
+/// An `array.array('i')` (vLLM 0.34's `TokenBuffer` of a request's tokens is one) or another
+/// one-dimensional buffer of C ints, read from `start` on only: continuing a long request
+/// converts just its new tokens, as for a list. The buffer is released before this returns
+/// (an exported buffer keeps the array from growing). `None` for anything else.
+fn int32_buffer_from(
+    obj: &Bound<'_, PyAny>,
+    start: usize,
+    check_start: impl Fn(usize) -> PyResult<()>,
+) -> PyResult<Option<TokenIds<'static>>> {
+    // numpy arrays are borrowed whole (extract_other); bytes are no token ids.
+    if obj.cast::<PyUntypedArray>().is_ok()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+    {
+        return Ok(None);
+    }
+    let Ok(buffer) = PyBuffer::<i32>::get(obj) else { return Ok(None) };
+    if buffer.dimensions() != 1 {
+        return Ok(None);
+    }
+    let Some(cells) = buffer.as_slice(obj.py()) else { return Ok(None) };
+    check_start(cells.len())?;
+    let mut out = Vec::with_capacity(cells.len() - start);
+    for (offset, cell) in cells.iter().skip(start).enumerate() {
+        let value = cell.get();
+        out.push(u32::try_from(value).map_err(|_| out_of_range(start + offset, value))?);
+    }
+    Ok(Some(TokenIds::Owned(out)))
 }
 
 /// Every token-id argument but a list or tuple.
