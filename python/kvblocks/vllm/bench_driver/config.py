@@ -75,20 +75,37 @@ def select_cpu_platform() -> None:
 
 @contextmanager
 def _scheduler_only_cpu_platform() -> Iterator[None]:
-    """TEST AND BENCHMARK ONLY: while the driver's ``VllmConfig`` is checked, vLLM 0.34's CPU
-    platform is told Triton is there, so that it does not refuse x86 without Triton ("vLLM on
-    x86 CPUs requires Triton (triton-cpu)"). Its model runner needs Triton's CPU backend; the
-    driver runs no model runner (vLLM's scheduler and a fake model), and nothing else the
-    driver builds reads the flag. vLLM 0.33 does not read it there; kvblocks itself never sets
-    it (a user's vLLM is left as vLLM decides)."""
-    import vllm.triton_utils
+    """TEST AND BENCHMARK ONLY: while the driver's ``VllmConfig`` is built, vLLM 0.34's CPU
+    platform check is told Triton is there, so that it does not refuse x86 without Triton
+    ("vLLM on x86 CPUs requires Triton (triton-cpu)"; PyPI has no triton-cpu, and PyPI's
+    triton finds no active driver without a GPU). Its model runner needs Triton's CPU backend;
+    the driver runs no model runner (vLLM's scheduler and a fake model). Only the platform's
+    check sees the flag, and only while it runs: a module vLLM imports meanwhile reads the
+    real value. kvblocks itself never sets it (a user's vLLM is left as vLLM decides)."""
+    try:
+        import vllm.triton_utils
+        from vllm.platforms.cpu import CpuPlatform
+    except ImportError:  # a vLLM without them has no such check
+        yield
+        return
+    check = CpuPlatform.__dict__.get("check_and_update_config")
+    if not isinstance(check, classmethod):
+        yield
+        return
 
-    has_triton = vllm.triton_utils.HAS_TRITON
-    vllm.triton_utils.HAS_TRITON = True
+    def told_triton_is_there(cls: Any, vllm_config: Any) -> None:
+        has_triton = vllm.triton_utils.HAS_TRITON
+        vllm.triton_utils.HAS_TRITON = True
+        try:
+            check.__func__(cls, vllm_config)
+        finally:
+            vllm.triton_utils.HAS_TRITON = has_triton
+
+    CpuPlatform.check_and_update_config = classmethod(told_triton_is_there)
     try:
         yield
     finally:
-        vllm.triton_utils.HAS_TRITON = has_triton
+        CpuPlatform.check_and_update_config = check
 
 
 def write_model_dir(path: Path) -> Path:
