@@ -68,10 +68,21 @@ pub(super) fn num_blocks_to_allocate(
     }
     let skipped = num_skipped_blocks(spec, total_computed);
     let new = required.saturating_sub(skipped.max(hits.len() + num_held));
-    // Adopting a free cached block takes it out of the free queue: it counts as needed.
-    let kept_hits = hits.get(skipped.saturating_sub(num_held)..).unwrap_or_default();
-    let evictable = kept_hits.iter().filter(|&&b| b != NULL_BLOCK && pool.ref_cnt(b) == 0).count();
-    new + evictable
+    new + num_evictable_hits(spec, pool, held, hits, total_computed)
+}
+
+/// The free cached blocks among the `hits` a first allocation keeps with `num_computed`
+/// computed tokens: adopting one takes it out of the free queue, so it counts as needed.
+pub(super) fn num_evictable_hits(
+    spec: &GroupSpec,
+    pool: &BlockPool,
+    held: &GroupBlocks,
+    hits: &[u32],
+    num_computed: usize,
+) -> usize {
+    let skipped = num_skipped_blocks(spec, num_computed);
+    let kept = hits.get(skipped.saturating_sub(held.blocks.len())..).unwrap_or_default();
+    kept.iter().filter(|&&b| b != NULL_BLOCK && pool.ref_cnt(b) == 0).count()
 }
 
 /// Adopts prefix hits at a request's first allocation (vLLM's `add_local_computed_blocks`;

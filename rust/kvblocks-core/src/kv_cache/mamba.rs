@@ -224,19 +224,45 @@ pub(super) fn num_blocks_taken(
     checkpoint: bool,
 ) -> usize {
     let computed = local.saturating_add(external);
-    let skipped = spec.kind.num_skipped_tokens(computed) / spec.block_size;
-    let kept = hits.get(skipped..).unwrap_or_default();
-    let touched = kept.iter().filter(|&&h| h != NULL_BLOCK && pool.ref_cnt(h) == 0).count();
+    let touched = super::group::num_evictable_hits(spec, pool, held, hits, computed);
     let len = super::group::len_after_hits(spec, held, hits.len(), computed);
     let loaded = super::group::num_external_blocks(spec, len, local, external);
     // What allocate_new_blocks adds to a table of `before` blocks (a first allocation: no
     // draft-state block to move).
+    let columns = align.columns(main, checkpoint);
     let before = len + loaded;
-    let required = main.div_ceil(align.block_size) + align.speculative_blocks;
-    let running = required.saturating_sub(align.speculative_blocks + 1);
-    let keep_from = running.saturating_sub(usize::from(checkpoint));
-    let padded = if before < running && before < keep_from { keep_from } else { before };
-    touched + loaded + required.saturating_sub(padded)
+    touched + loaded + columns.required.saturating_sub(columns.padded(before))
+}
+
+/// The columns of a chunk ending at `main` tokens (vLLM's align-mode `allocate_new_blocks`).
+struct Columns {
+    /// The table's length once the chunk is allocated: the running state's column and the
+    /// `K` speculative ones after it.
+    required: usize,
+    running: usize,
+    /// The first column the chunk keeps: the checkpoint's, else the running state's.
+    keep_from: usize,
+}
+
+impl Columns {
+    /// The length of a table of `len` blocks once padded with null columns up to the first
+    /// one the chunk keeps.
+    fn padded(&self, len: usize) -> usize {
+        if len < self.running && len < self.keep_from {
+            self.keep_from
+        } else {
+            len
+        }
+    }
+}
+
+impl Align {
+    fn columns(&self, main: usize, checkpoint: bool) -> Columns {
+        let k = self.speculative_blocks;
+        let required = main.div_ceil(self.block_size) + k;
+        let running = required.saturating_sub(k + 1);
+        Columns { required, running, keep_from: running.saturating_sub(usize::from(checkpoint)) }
+    }
 }
 
 /// vLLM's align-mode `allocate_new_blocks`: the running state's column for `main` tokens
@@ -251,19 +277,15 @@ pub(super) fn allocate_new_blocks(
     main: usize,
 ) {
     let k = align.speculative_blocks;
-    let required = main.div_ceil(align.block_size) + k;
     let GroupBlocks { blocks, mamba, .. } = held;
-    let checkpoint = usize::from(mamba.checkpoint.is_some());
-    if required <= blocks.len() && checkpoint == 0 {
+    let columns = align.columns(main, mamba.checkpoint.is_some());
+    let (required, keep_from) = (columns.required, columns.keep_from);
+    if required <= blocks.len() && mamba.checkpoint.is_none() {
         mamba.allocated = true;
         return;
     }
     let before = blocks.len();
-    let running = required.saturating_sub(k + 1);
-    let keep_from = running.saturating_sub(checkpoint);
-    if before < running && before < keep_from {
-        blocks.resize(keep_from, NULL_BLOCK);
-    }
+    blocks.resize(columns.padded(before), NULL_BLOCK);
     if mamba.allocated {
         for column in before.saturating_sub(k)..before {
             if column >= keep_from {
