@@ -19,12 +19,23 @@ def run_python(
     code: str, *, env: Mapping[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python -c code`` with this environment less :data:`PLUGIN_SETTINGS`, plus ``env``."""
+    return _run(["-c", code], env, cwd)
+
+
+def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m kvblocks ARGS`` (the ``kvblocks`` command) as :func:`run_python` runs code."""
+    return _run(["-m", "kvblocks", *args], env, None)
+
+
+def _run(
+    argv: list[str], env: Mapping[str, str] | None, cwd: Path | None
+) -> subprocess.CompletedProcess[str]:
     child = {k: v for k, v in os.environ.items() if k not in PLUGIN_SETTINGS}
     child.update(env or {})
     source = str(Path(kvblocks.__file__).resolve().parents[1])
     child["PYTHONPATH"] = os.pathsep.join(p for p in (source, child.get("PYTHONPATH")) if p)
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, *argv],
         capture_output=True,
         text=True,
         env=child,

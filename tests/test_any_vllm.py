@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fresh_process import run_python
+from tests.fresh_process import run_cli, run_python
 
 #: The modules of kvblocks' vLLM integration that vLLM itself imports or that a user names
 #: (the plugin, ``--scheduler-cls``, the manager, the hasher, the fingerprints). The
@@ -197,20 +196,8 @@ def test_a_supported_release_that_moved_everything(tmp_path: Path) -> None:
 
 
 def test_bench_engine_vllm_says_so_in_one_line(tmp_path: Path) -> None:
-    import os
-
-    import kvblocks
-
-    source = str(Path(kvblocks.__file__).resolve().parents[1])
-    env = {k: v for k, v in os.environ.items() if k not in ("KVBLOCKS_VLLM", "VLLM_PLUGINS")}
-    env["PYTHONPATH"] = os.pathsep.join([source, str(stand_in_vllm(tmp_path, "0.99.0"))])
-    done = subprocess.run(
-        [sys.executable, "-m", "kvblocks", "bench", "--engine", "vllm"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    root = stand_in_vllm(tmp_path, "0.99.0")
+    done = run_cli("bench", "--engine", "vllm", env={"PYTHONPATH": str(root)})
     assert done.returncode == 2
     assert done.stdout == ""
     (line,) = done.stderr.splitlines()

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fresh_process import run_python
+from tests.fresh_process import run_cli, run_python
 from tests.test_any_vllm import IMPORT_EVERY_MODULE, KEEP_LOG_LINES, PRODUCT
 
 NEXT = os.environ.get("KVBLOCKS_NEXT_VLLM")
@@ -109,18 +106,7 @@ def test_the_refusal_is_recorded_with_what_to_do(started: dict[str, Any]) -> Non
 
 def test_bench_engine_vllm_says_so_in_one_line() -> None:
     assert NEXT is not None
-    import kvblocks
-
-    source = str(Path(kvblocks.__file__).resolve().parents[1])
-    env = {k: val for k, val in os.environ.items() if k != "KVBLOCKS_VLLM"}
-    env["PYTHONPATH"] = os.pathsep.join([source, NEXT])
-    done = subprocess.run(
-        [sys.executable, "-m", "kvblocks", "bench", "--engine", "vllm"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    done = run_cli("bench", "--engine", "vllm", env={"PYTHONPATH": NEXT})
     assert done.returncode == 2, done.stderr[-2000:]
     (line,) = done.stderr.splitlines()
     assert line.startswith("--engine vllm: kvblocks ")
