@@ -1,4 +1,4 @@
-"""``kvblocks._core.KVCacheCore``, the Rust engine under ``kvblocks.vllm.KVCacheManager``,
+"""``kvblocks._core.KVCacheManager``, the Rust half of ``kvblocks.vllm.KVCacheManager``,
 through its Python surface, with stand-in requests carrying the fields vLLM's ``Request``
 has: vLLM's worked trace, several groups, and bad input that changes nothing. (Runs
 without vLLM; tests/vllm_tier compares the engine with vLLM itself.)"""
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvblocks._core import KVCacheBlockIds, KVCacheCore, KVCacheGroup
+from kvblocks._core import KVCacheBlockIds, KVCacheGroup, KVCacheManager
 
 WAITING, RUNNING = "waiting", "running"  # stand-ins for vLLM's RequestStatus members
 
@@ -35,10 +35,10 @@ def request(rid: str, hashes: list[Any], num_tokens: int, computed: int = 0) -> 
 
 def core(
     num_blocks: int, block_size: int, groups: list[KVCacheGroup] | None = None, **kwargs: Any
-) -> KVCacheCore:
+) -> KVCacheManager:
     groups = groups or [KVCacheGroup("full", block_size)]
     full_first = sorted(range(len(groups)), key=lambda g: groups[g].kind != "full")
-    return KVCacheCore(
+    return KVCacheManager(
         num_blocks,
         groups,
         lookup_sets=[[g] for g in full_first],
@@ -48,7 +48,9 @@ def core(
     )
 
 
-def admit(c: KVCacheCore, rid: str, hashes: list[bytes], num_tokens: int) -> tuple[list[int], ...]:
+def admit(
+    c: KVCacheManager, rid: str, hashes: list[bytes], num_tokens: int
+) -> tuple[list[int], ...]:
     hits, num_hit, _ = c.lookup(hashes, num_tokens - 1)
     new = c.allocate_for_request(
         request(rid, hashes, num_tokens),
@@ -347,8 +349,8 @@ def test_block_ids_results() -> None:
 def test_sizes_by_keyword_or_by_position() -> None:
     groups = [KVCacheGroup(kind="full", block_size=4)]
     for c in (
-        KVCacheCore(num_blocks=12, groups=groups, lookup_sets=[[0]], max_model_len=8),
-        KVCacheCore(12, groups, lookup_sets=[[0]], max_model_len=8),
+        KVCacheManager(num_blocks=12, groups=groups, lookup_sets=[[0]], max_model_len=8),
+        KVCacheManager(12, groups, lookup_sets=[[0]], max_model_len=8),
     ):
         assert (c.num_blocks, c.num_groups, c.num_free_blocks) == (12, 1, 11)
 

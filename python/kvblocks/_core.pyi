@@ -17,11 +17,10 @@ __all__ = [
     "BlockManager",
     "KVCacheBlockIds",
     "KVCacheBlockView",
-    "KVCacheCore",
     "KVCacheGroup",
+    "KVCacheManager",
     "KvBlocksError",
     "TokenSequence",
-    "_HashingFloor",
     "__version__",
 ]
 
@@ -93,15 +92,8 @@ class BlockHasher:
         num_lookahead_tokens: int | None = None,
     ) -> npt.NDArray[np.uint8]: ...
 
-@final
-class _HashingFloor:
-    """Benchmark-only (benches/bench_hashing.py): a hasher's serialization and digest apart."""
-
-    def __new__(cls, hasher: BlockHasher, /) -> _HashingFloor: ...
-    def serialized_blocks(
-        self, token_ids: _TokenIds, /
-    ) -> tuple[bytes, npt.NDArray[np.uint64]]: ...
-    def digest_each(self, data: bytes, ends: npt.NDArray[np.uint64], /) -> int: ...
+# ``_HashingFloor`` (benchmark-only, benches/bench_hashing.py) exists only in builds with the
+# cargo feature ``bench-floor`` (off by default), so it is not declared here.
 
 @final
 class TokenSequence:
@@ -229,7 +221,7 @@ class BlockManager:
     def debug_state(self) -> dict[str, Any]: ...
 
 @final
-class KVCacheCore:
+class KVCacheManager:
     """The Rust half of ``kvblocks.vllm.KVCacheManager``: vLLM's KV-cache manager over one
     or more groups, keyed by request id, reading vLLM ``Request`` fields in place."""
 
@@ -249,7 +241,7 @@ class KVCacheCore:
         retention_interval: int | None = None,
         needs_kv_cache_zeroing: bool = False,
         waiting_statuses: list[Any] = ...,
-    ) -> KVCacheCore: ...
+    ) -> KVCacheManager: ...
     @property
     def empty_kv_cache_blocks(self) -> KVCacheBlockIds: ...
     @property
@@ -314,7 +306,7 @@ class KVCacheCore:
 
 @final
 class KVCacheGroup:
-    """One KV-cache group for ``KVCacheCore``: ``kind`` is ``"full"``, ``"sliding_window"``
+    """One KV-cache group for ``KVCacheManager``: ``kind`` is ``"full"``, ``"sliding_window"``
     (with ``sliding_window``), ``"chunked_local"`` (with ``attention_chunk_size``) or
     ``"mamba"`` (optionally with ``num_speculative_blocks``, and with prefix caching
     ``prefill_checkpoint_alignment`` where the layer exports prefill checkpoints)."""

@@ -3,7 +3,7 @@ on kvblocks' Rust allocation engine, for every layout :mod:`kvblocks.vllm.suppor
 (any number of full-attention, MLA, sliding-window and chunked-local groups, and Mamba groups
 with or without prefix caching; EAGLE/MTP and other speculative decoding; KV-cache zeroing).
 
-The Rust side (``kvblocks._core.KVCacheCore``) owns what vLLM's block pool, coordinator and
+The Rust side (``kvblocks._core.KVCacheManager``) owns what vLLM's block pool, coordinator and
 single-type managers own (reference counts, the free queue in eviction order, the
 hash-to-block map, and per request and group its block table and how many of its blocks are
 registered in the cache). The request's own state stays the request's: each call passes the
@@ -20,12 +20,14 @@ vLLM's KV-event publisher and metrics work unchanged.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvblocks._core import KVCacheBlockIds, KVCacheCore, KVCacheGroup
-from kvblocks.vllm import _state
+import kvblocks._core as _core
+import kvblocks.vllm._state as _state
+from kvblocks._core import KVCacheBlockIds, KVCacheGroup
 from kvblocks.vllm.support import Unsupported, spec_kind, unsupported_manager_arguments
 
 try:  # the vLLM names this module builds on (fingerprinted: kvblocks.vllm.fingerprints)
@@ -66,7 +68,7 @@ class _RequestBlocks(Mapping[str, tuple[Any, ...]]):
     blocks; unlike vLLM's, reading one adds no entry (vLLM's holds an empty entry for each
     request it only looked up)."""
 
-    def __init__(self, core: KVCacheCore, group_id: int) -> None:
+    def __init__(self, core: _core.KVCacheManager, group_id: int) -> None:
         self._core = core
         self._group_id = group_id
 
@@ -88,7 +90,7 @@ class _GroupManager:
     """The part of vLLM's single-type manager that the scheduler and EngineCore read, and
     its ``req_to_blocks`` (a read-only view)."""
 
-    def __init__(self, kv_cache_spec: Any, group_id: int, core: KVCacheCore) -> None:
+    def __init__(self, kv_cache_spec: Any, group_id: int, core: _core.KVCacheManager) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size: int = kv_cache_spec.block_size
         self.kv_cache_group_id = group_id
@@ -98,7 +100,9 @@ class _GroupManager:
 class _Coordinator:
     """The part of vLLM's coordinator that the scheduler and EngineCore read."""
 
-    def __init__(self, specs: list[Any], eagle_group_ids: set[int], core: KVCacheCore) -> None:
+    def __init__(
+        self, specs: list[Any], eagle_group_ids: set[int], core: _core.KVCacheManager
+    ) -> None:
         self.single_type_managers = tuple(_GroupManager(s, i, core) for i, s in enumerate(specs))
         self.enable_partial_hash_hits = False
         self.eagle_group_ids = eagle_group_ids
@@ -136,7 +140,7 @@ class _BlockPool:
     blocks ``pop_blocks_for_free`` handed out (block ids here) once no step in flight reads
     them."""
 
-    def __init__(self, core: KVCacheCore) -> None:
+    def __init__(self, core: _core.KVCacheManager) -> None:
         self._core = core
 
     def free_blocks(self, ordered_blocks: Any) -> None:
@@ -262,7 +266,7 @@ class KVCacheManager:
             and isinstance(specs[first], FullAttentionSpec)
             else None
         )
-        self._core = KVCacheCore(
+        self._core = _core.KVCacheManager(
             kv_cache_config.num_blocks,
             [_engine_group(g, in_flight, max_model_len) for g in groups],
             lookup_sets=lookup_sets,
@@ -280,28 +284,26 @@ class KVCacheManager:
             needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
             waiting_statuses=[RequestStatus.WAITING, RequestStatus.PREEMPTED],
         )
-        # Called by the scheduler every step: straight to Rust.
-        setattr(self, "take_new_block_ids", self._core.take_new_block_ids)  # noqa: B010
-        if enable_caching and any(spec_kind(g.kv_cache_spec, g.role) == "mamba" for g in groups):
-            # Only Mamba groups with prefix caching keep per-step state and offer states.
-            setattr(self, "new_step_starts", self._core.new_step_starts)  # noqa: B010
-            offloads = self._core.take_boundary_state_offloads
-            setattr(self, "take_boundary_state_offloads", offloads)  # noqa: B010
+        # Only Mamba groups with prefix caching keep per-step state and offer states.
+        self._mamba_prefix_caching = enable_caching and any(
+            spec_kind(g.kv_cache_spec, g.role) == "mamba" for g in groups
+        )
+        # get_blocks gives the blocks' keys too once a KV connector is served.
+        self._blocks_with_keys = False
         self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
         self.coordinator = _Coordinator(specs, eagle_group_ids, self._core)
         self.block_pool = _BlockPool(self._core)
         self._events: list[KVCacheEvent] = []
-        if not enable_kv_cache_events:
-            # The hot path: vLLM's scheduler calls Rust directly (no Python frame here).
-            setattr(self, "allocate_slots", self._core.allocate_for_request)  # noqa: B010
 
     # -- what the scheduler calls every step -------------------------------------------------
 
     def new_step_starts(self) -> None:
         """vLLM's: Mamba states cached before this step may be adopted as hits again (a
         request whose hit was cached during the step waits for the next one). Only Mamba
-        groups with prefix caching keep such state: ``__init__`` then binds the instance's to
-        Rust; otherwise there is nothing to do and no call into Rust."""
+        groups with prefix caching keep such state; otherwise there is nothing to do and no
+        call into Rust."""
+        if self._mamba_prefix_caching:
+            self._core.new_step_starts()
 
     def _lookup_length(self, request: Request, max_cache_hit_length: int | None) -> int | None:
         """How many tokens a lookup may hit (vLLM's: all but the last, or the caller's
@@ -350,24 +352,54 @@ class KVCacheManager:
             return *self.get_computed_blocks(request, max_cache_hit_length), False
         return blocks, num_local, 0, min(lengths) < num_local
 
-    def allocate_slots(
+    @functools.cached_property
+    def allocate_slots(self) -> Callable[..., KVCacheBlockIds | None]:
+        """vLLM's ``allocate_slots`` (vLLM's arguments), which vLLM's scheduler calls for every
+        running request at every step. Without KV events it is Rust's
+        ``_core.KVCacheManager.allocate_for_request`` itself, which reads the request's fields
+        in place: looked up once per manager (this property), then vLLM's call goes straight
+        to Rust with no Python frame between (a delegating method would add about a third to
+        the call). With KV events it is :meth:`_allocate_slots_with_events`."""
+        if self.enable_kv_cache_events:
+            return self._allocate_slots_with_events
+        allocate: Callable[..., KVCacheBlockIds | None] = self._core.allocate_for_request
+        return allocate
+
+    def _allocate_slots_with_events(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        *args: Any,
-        **kwargs: Any,
+        new_computed_blocks: KVCacheBlockIds | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Any = None,
     ) -> KVCacheBlockIds | None:
-        """vLLM's ``allocate_slots`` (its arguments: ``KVCacheCore.allocate_for_request``), with
-        KV events: Rust allocates, then the call's events become vLLM's event objects. Without
-        events the instance attribute set in ``__init__`` sends vLLM's call to Rust directly."""
+        """``allocate_slots`` with KV events: Rust allocates, then the call's events become
+        vLLM's event objects."""
         blocks: KVCacheBlockIds | None = self._core.allocate_for_request(
-            request, num_new_tokens, num_new_computed_tokens, *args, **kwargs
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
         )
         if (
             blocks is not None
             and request.num_tokens > self.max_model_len
-            and not kwargs.get("delay_cache_blocks")
+            and not delay_cache_blocks
         ):
             # vLLM's num_tokens_to_cache (no external tokens: no connector here).
             computed = request.num_computed_tokens + num_new_computed_tokens
@@ -428,14 +460,15 @@ class KVCacheManager:
         self._core.free(request.request_id)
 
     def get_blocks(self, request_id: str) -> KVCacheBlockIds:
-        return self._core.get_blocks(request_id)
+        """vLLM's: the request's blocks (ids; with their keys too once a KV connector is
+        served, ``serve_kv_connector``)."""
+        return self._core.get_blocks(request_id, self._blocks_with_keys)
 
     def serve_kv_connector(self) -> None:
         """Called once a KV connector is set (kvblocks.vllm.scheduler): ``get_blocks`` results
         then also carry each block's prefix-cache key, which connectors read
         (``.blocks[group][i].block_hash``)."""
-        core = self._core
-        setattr(self, "get_blocks", lambda request_id: core.get_blocks(request_id, True))  # noqa: B010
+        self._blocks_with_keys = True
 
     # -- what the scheduler calls with a KV connector ---------------------------------------
 
@@ -471,7 +504,7 @@ class KVCacheManager:
     def take_new_block_ids(self) -> list[int]:
         """vLLM's ``take_new_block_ids``: the attention groups' blocks allocated since the last
         call, for the worker to zero (when the KV cache needs zeroing: Mamba layers or mixed
-        precision). ``__init__`` binds the instance's to Rust directly."""
+        precision)."""
         ids: list[int] = self._core.take_new_block_ids()
         return ids
 
@@ -483,13 +516,33 @@ class KVCacheManager:
         """vLLM's, called every step: ``{request_id: [(group_id, block_id, num_tokens),
         ...]}``, the Mamba states registered at block boundaries since the last call, which a
         KV connector may offload (vLLM's CPU offloading stores Mamba states only from these).
-        Only Mamba groups with prefix caching offer any: ``__init__`` then binds the
-        instance's to Rust; otherwise there are none and no call into Rust."""
-        return {}
+        Only Mamba groups with prefix caching offer any; otherwise there are none and no call
+        into Rust."""
+        if not self._mamba_prefix_caching:
+            return {}
+        offloads: dict[str, list[tuple[int, int, int]]] = self._core.take_boundary_state_offloads()
+        return offloads
 
-    if TYPE_CHECKING:  # vLLM's own (see _FROM_VLLM below the class)
+    # -- vLLM's own methods -------------------------------------------------------------------
+    # vLLM's KVCacheManager methods that run unchanged on this class: they only read what it
+    # sets as vLLM's manager does (fingerprinted with the rest). Each is defined here only
+    # where the installed vLLM's manager has it, so that the class has what vLLM's has (vLLM
+    # 0.34 has no get_num_common_prefix_blocks) and this module imports whatever vLLM moved.
+    if TYPE_CHECKING:
 
         def prefix_cache_lookup_enabled(self, request: Request) -> bool: ...
+
+    else:
+        if hasattr(VllmKVCacheManager, "get_num_common_prefix_blocks"):
+            get_num_common_prefix_blocks = VllmKVCacheManager.get_num_common_prefix_blocks
+        if hasattr(VllmKVCacheManager, "get_block_ids_for_computed_tokens"):
+            get_block_ids_for_computed_tokens = VllmKVCacheManager.get_block_ids_for_computed_tokens
+        if hasattr(VllmKVCacheManager, "prefix_cache_lookup_enabled"):
+            prefix_cache_lookup_enabled = VllmKVCacheManager.prefix_cache_lookup_enabled
+        if hasattr(VllmKVCacheManager, "record_prefix_cache_stats"):
+            record_prefix_cache_stats = VllmKVCacheManager.record_prefix_cache_stats
+        if hasattr(VllmKVCacheManager, "make_prefix_cache_stats"):
+            make_prefix_cache_stats = VllmKVCacheManager.make_prefix_cache_stats
 
     # -- statistics and events ---------------------------------------------------------------
 
@@ -593,19 +646,3 @@ class KVCacheManager:
             session_id=request.session_id,
             lookahead_token_ids=lookahead_ids,
         )
-
-
-#: vLLM's ``KVCacheManager`` methods that run unchanged on this class (they only read what
-#: it sets as vLLM's manager does; fingerprinted with the rest). Each is bound where the
-#: installed vLLM's manager has it, so that the class has what vLLM's has (vLLM 0.34 has no
-#: ``get_num_common_prefix_blocks``) and this module imports whatever vLLM moved.
-_FROM_VLLM = (
-    "get_num_common_prefix_blocks",
-    "get_block_ids_for_computed_tokens",
-    "prefix_cache_lookup_enabled",
-    "record_prefix_cache_stats",
-    "make_prefix_cache_stats",
-)
-for _name in _FROM_VLLM:
-    if hasattr(VllmKVCacheManager, _name):
-        setattr(KVCacheManager, _name, getattr(VllmKVCacheManager, _name))

@@ -6,8 +6,8 @@ use std::fmt;
 /// Every way a core operation can refuse its input. A refused call changes no state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CoreError {
-    /// The hash algorithm name is not one of [`crate::HASH_ALGORITHMS`].
-    UnknownHashAlgorithm(String),
+    /// The hash algorithm name is not one of `known` ([`crate::HASH_ALGORITHMS`]).
+    UnknownHashAlgorithm { name: String, known: &'static [&'static str] },
     /// A size argument (block size, ...) is out of its valid range.
     InvalidSize { what: &'static str, value: usize },
     /// A multimodal feature list is malformed (unsorted, zero length, ...).
@@ -50,11 +50,9 @@ pub type CoreResult<T> = Result<T, CoreError>;
 impl fmt::Display for CoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::UnknownHashAlgorithm(name) => write!(
-                f,
-                "unknown hash algorithm {name:?}; expected one of {}",
-                crate::HASH_ALGORITHMS.join(", ")
-            ),
+            Self::UnknownHashAlgorithm { name, known } => {
+                write!(f, "unknown hash algorithm {name:?}; expected one of {}", known.join(", "))
+            }
             Self::InvalidSize { what, value } => write!(f, "invalid {what}: {value}"),
             Self::InvalidMmFeature(msg) => write!(f, "invalid mm_features: {msg}"),
             Self::OutOfRange { what, value, limit } => {

@@ -2,23 +2,27 @@
 //!
 //! It owns vLLM-compatible chained block hashing ([`hashing`]), the per-request token
 //! buffers that hash new full blocks as tokens arrive ([`TokenSequence`]), the block pool
-//! ([`pool`]) and the allocation engine over it ([`kv_cache`]: vLLM 0.33's coordinators and
-//! single-type managers, written once), which serves both the vLLM plugin's KV-cache manager
-//! ([`KvCacheManager`], on block hashes the caller owns) and the embedded block manager
-//! ([`BlockManager`], with its own token buffers, copy-on-write and token verification).
-//! Nothing here knows about Python; the `kvblocks-py` crate is a thin PyO3 layer over this
-//! crate.
+//! ([`pool`]) and the coordinator over it ([`KvCacheCoordinator`], in [`kv_cache`]: vLLM
+//! 0.33's coordinators and single-type managers, written once), which serves both the vLLM
+//! plugin's KV-cache manager ([`KvCacheManager`], on block hashes the caller owns) and the
+//! embedded block manager ([`BlockManager`], with its own token buffers, copy-on-write and
+//! token verification). Nothing here knows about Python; the `kvblocks-py` crate is a thin
+//! PyO3 layer over this crate.
 
+mod block_manager;
 mod error;
 mod free_queue;
 pub mod hashing;
 pub mod kv_cache;
-mod manager;
 pub mod pool;
 mod requests;
 mod sequence;
 mod stats;
 
+pub use block_manager::{
+    BlockManager, ManagerConfig, PlannedStep, StepBuffers, StepInput, StepOutput, StepResult,
+    StepSizes,
+};
 pub(crate) use error::try_filled;
 pub use error::{CoreError, CoreResult};
 pub use hashing::{
@@ -26,12 +30,9 @@ pub use hashing::{
     RequestKeys, DEFAULT_SEED, HASH_ALGORITHMS,
 };
 pub use kv_cache::{
-    AllocateArgs, AttentionKind, BoundaryState, CacheHit, EngineConfig, GroupBlocks, GroupSpec,
-    HashSource, KvCacheEngine, KvCacheManager, ManagerEvent, RequestBlocks, RequestState,
-};
-pub use manager::{
-    BlockManager, ManagerConfig, PlannedStep, StepBuffers, StepInput, StepOutput, StepResult,
-    StepSizes,
+    AllocateArgs, AttentionKind, BoundaryState, CacheHit, CoordinatorConfig, GroupBlocks,
+    GroupSpec, HashSource, KvCacheCoordinator, KvCacheManager, ManagerEvent, RequestBlocks,
+    RequestState,
 };
 pub use requests::RequestRef;
 pub use sequence::TokenSequence;

@@ -13,8 +13,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)] // test code: a panic is a failure
 
 use kvblocks_core::{
-    AllocateArgs, AttentionKind, BlockHash, EngineConfig, GroupSpec, KvCacheManager, ManagerEvent,
-    RequestState,
+    AllocateArgs, AttentionKind, BlockHash, CoordinatorConfig, GroupSpec, KvCacheManager,
+    ManagerEvent, RequestState,
 };
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -123,7 +123,7 @@ fn group() -> impl Strategy<Value = GroupSpec> {
     })
 }
 
-fn config() -> impl Strategy<Value = EngineConfig> {
+fn config() -> impl Strategy<Value = CoordinatorConfig> {
     (
         prop::collection::vec(group(), 1..4),
         8u32..60,
@@ -154,7 +154,7 @@ fn config() -> impl Strategy<Value = EngineConfig> {
                 // vLLM refuses EAGLE with a chunked-local group (kvblocks' guard falls back).
                 let chunked =
                     groups.iter().any(|g| matches!(g.kind, AttentionKind::ChunkedLocal { .. }));
-                EngineConfig {
+                CoordinatorConfig {
                     num_blocks,
                     lookup_sets: order.into_iter().map(|g| vec![g]).collect(),
                     groups,

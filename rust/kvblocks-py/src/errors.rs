@@ -19,7 +19,7 @@ create_exception!(
 /// and broken invariants are `KvBlocksError`.
 pub fn to_py(err: CoreError) -> PyErr {
     match err {
-        CoreError::UnknownHashAlgorithm(_)
+        CoreError::UnknownHashAlgorithm { .. }
         | CoreError::InvalidSize { .. }
         | CoreError::InvalidMmFeature(_)
         | CoreError::OutOfRange { .. }

@@ -1,6 +1,7 @@
-//! `kvblocks._core._HashingFloor`: benchmark-only. `benches/bench_hashing.py` uses it to
-//! measure the floor under block hashing (the digest alone over each block's exact bytes);
-//! nothing else in kvblocks does, and it is not part of the public API.
+//! `kvblocks._core._HashingFloor`: benchmark-only, built only with the cargo feature
+//! `bench-floor` (off by default). `benches/bench_hashing.py` uses it to measure the floor
+//! under block hashing (the digest alone over each block's exact bytes); nothing else in
+//! kvblocks does, and it is not part of the public API (nor of the type stubs).
 
 use crate::hasher::PyBlockHasher;
 use crate::tokens::extract_token_ids;

@@ -1,4 +1,4 @@
-//! `kvblocks._core.KVCacheCore`: the Rust half of `kvblocks.vllm.KVCacheManager`, and the
+//! `kvblocks._core.KVCacheManager`: the Rust half of `kvblocks.vllm.KVCacheManager`, and the
 //! small classes it takes and returns (`KVCacheGroup`, `KVCacheBlockIds`).
 //!
 //! Called once per vLLM manager call, with the request's own state as arguments; the block
@@ -9,7 +9,7 @@ use crate::hasher::hash_bytes;
 use crate::sync::{lock, lock_attached};
 use kvblocks_core::pool::CacheKey;
 use kvblocks_core::{
-    AllocateArgs, AttentionKind, BlockHash, CoreError, CoreResult, EngineConfig, GroupSpec,
+    AllocateArgs, AttentionKind, BlockHash, CoordinatorConfig, CoreError, CoreResult, GroupSpec,
     HashSource, KvCacheManager, ManagerEvent, RequestState,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -139,7 +139,7 @@ impl PyKvCacheBlockIds {
     fn keys_for(&self, what: &str) -> PyResult<impl Fn(usize, usize) -> Option<CacheKey> + '_> {
         if self.keys.is_none() && self.groups.iter().any(|g| !g.is_empty()) {
             return Err(pyo3::exceptions::PyAttributeError::new_err(format!(
-                "{what}: this KVCacheBlockIds holds block ids only (KVCacheCore.get_blocks(\
+                "{what}: this KVCacheBlockIds holds block ids only (KVCacheManager.get_blocks(\
                  request_id, True) also gives the blocks' keys)"
             )));
         }
@@ -159,7 +159,7 @@ impl PyKvCacheBlockIds {
     }
 
     /// vLLM's `KVCacheBlocks.blocks`: per group, the blocks as views (id, null or not, key).
-    /// Only for an empty result or one asked for with keys (`KVCacheCore.get_blocks(id,
+    /// Only for an empty result or one asked for with keys (`KVCacheManager.get_blocks(id,
     /// True)`, what KV connectors get): an AttributeError otherwise.
     #[getter]
     fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
@@ -288,25 +288,25 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
 }
 
-#[pyclass(frozen, module = "kvblocks._core", name = "KVCacheCore")]
-pub struct PyKvCacheCore {
+#[pyclass(frozen, module = "kvblocks._core", name = "KVCacheManager")]
+pub struct PyKvCacheManager {
     inner: Mutex<KvCacheManager>,
     /// The shared "no blocks" result, returned by identity as vLLM's manager does.
     empty: Py<PyKvCacheBlockIds>,
     /// The request statuses the watermark applies to (vLLM's WAITING and PREEMPTED).
     waiting_statuses: Vec<Py<PyAny>>,
-    /// Some group frees blocks out of a window or chunk: only then does the engine read the
+    /// Some group frees blocks out of a window or chunk: only then does the coordinator read the
     /// request's in-flight tokens.
     windowed: bool,
     /// Sparse retention of sliding-window blocks (prefix caching, a retention interval, a
-    /// window group) or Mamba groups with prefix caching: only then does the engine read the
+    /// window group) or Mamba groups with prefix caching: only then does the coordinator read the
     /// request's prompt length and shared-prefix boundary.
     boundaries: bool,
-    /// A watermark is set: only then does the engine read the request's status.
+    /// A watermark is set: only then does the coordinator read the request's status.
     watermark: bool,
 }
 
-impl PyKvCacheCore {
+impl PyKvCacheManager {
     /// Block ids as a result object: the shared empty one when no group has any.
     fn blocks(&self, py: Python<'_>, groups: Vec<Vec<u32>>) -> PyResult<Py<PyKvCacheBlockIds>> {
         if groups.iter().all(Vec::is_empty) {
@@ -316,7 +316,7 @@ impl PyKvCacheCore {
         }
     }
 
-    /// The fields of vLLM's `Request` the engine reads, each only where the configuration
+    /// The fields of vLLM's `Request` the coordinator reads, each only where the configuration
     /// uses it (this runs on every call): the status only for the watermark, which applies
     /// only when `has_scheduled_reqs`; the in-flight tokens only with a window or chunk; the
     /// prompt length and shared-prefix boundary only for sparse retention.
@@ -391,7 +391,7 @@ impl PyKvCacheCore {
 }
 
 #[pymethods]
-impl PyKvCacheCore {
+impl PyKvCacheManager {
     #[new]
     #[pyo3(signature = (
         num_blocks, groups, *, lookup_sets, max_model_len, enable_caching = true,
@@ -417,7 +417,7 @@ impl PyKvCacheCore {
         waiting_statuses: Vec<Py<PyAny>>,
     ) -> GlueResult<Self> {
         let num_groups = groups.len();
-        let config = EngineConfig {
+        let config = CoordinatorConfig {
             num_blocks,
             groups: groups.into_iter().map(|g| g.spec).collect(),
             lookup_sets,
@@ -563,7 +563,7 @@ impl PyKvCacheCore {
             full_sequence_must_fit,
             delay_cache_blocks,
             has_scheduled_reqs,
-            extra_blocks: 0,
+            copy_on_write: false,
             num_external_computed_tokens,
             skip_zeroing_groups,
         };
@@ -781,7 +781,7 @@ impl PyKvCacheCore {
     fn __repr__(&self) -> PyResult<String> {
         let m = self.lock()?;
         Ok(format!(
-            "KVCacheCore(num_blocks={}, groups={}, requests={}, free={})",
+            "KVCacheManager(num_blocks={}, groups={}, requests={}, free={})",
             m.pool().num_blocks(),
             m.config().groups.len(),
             m.num_requests(),

@@ -46,7 +46,10 @@ impl HashAlgo {
             "xxhash" => Self::XxhashPickle,
             "xxhash_cbor" => Self::XxhashCbor,
             "xxh3_128" => Self::Xxh3Native,
-            other => return Err(CoreError::UnknownHashAlgorithm(other.to_owned())),
+            other => {
+                let (name, known) = (other.to_owned(), &HASH_ALGORITHMS);
+                return Err(CoreError::UnknownHashAlgorithm { name, known });
+            }
         })
     }
 
@@ -757,6 +760,6 @@ mod tests {
     fn zero_block_size_is_refused() {
         let err = BlockHasher::new(HashAlgo::Sha256Cbor, 0, DEFAULT_SEED.into()).unwrap_err();
         assert!(matches!(err, CoreError::InvalidSize { .. }));
-        assert!(matches!(HashAlgo::from_name("md5"), Err(CoreError::UnknownHashAlgorithm(_))));
+        assert!(matches!(HashAlgo::from_name("md5"), Err(CoreError::UnknownHashAlgorithm { .. })));
     }
 }

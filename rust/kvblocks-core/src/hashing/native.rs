@@ -1,5 +1,5 @@
 //! The `xxh3_128` mode: kvblocks' own fast layout, hashed with XXH3-128. No Python object
-//! is serialized; the bytes below are the whole contract (also in the README):
+//! is serialized; the bytes below are the whole contract (also in docs/hash-contract.md):
 //!
 //! ```text
 //! block    = u64le(len(parent)) parent u64le(n) token_0 .. token_{n-1} keys

@@ -1,43 +1,10 @@
-//! One group's blocks of one request, and the rules that grow, shrink and register them
+//! The rules that grow, shrink and register one group's blocks of one request
 //! (vLLM's `SingleTypeKVCacheManager` and its subclasses for full attention, sliding window,
 //! chunked local attention and Mamba without prefix caching).
 
 use super::spec::GroupSpec;
+use super::table::GroupBlocks;
 use crate::pool::{BlockPool, NULL_BLOCK};
-
-/// A request's blocks in one group.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct GroupBlocks {
-    /// The block table; null blocks stand where the group needs no block any more.
-    pub blocks: Vec<u32>,
-    /// vLLM's `num_cached_block[request_id]`: present once the request adopted prefix hits
-    /// or registered a block; how many leading blocks are registered in the cache.
-    pub num_cached: Option<usize>,
-    /// A Mamba group's prefix-caching bookkeeping (unused otherwise).
-    pub mamba: super::mamba::MambaState,
-}
-
-/// One request's blocks in every group.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RequestBlocks {
-    pub groups: Vec<GroupBlocks>,
-}
-
-impl RequestBlocks {
-    pub fn new(num_groups: usize) -> Self {
-        Self { groups: vec![GroupBlocks::default(); num_groups] }
-    }
-
-    /// Whether vLLM's coordinator tracks the request as already admitted (any group's
-    /// `num_cached_block` has it): it then adopts no prefix hits.
-    pub fn is_tracked(&self) -> bool {
-        self.groups.iter().any(|g| g.num_cached.is_some())
-    }
-
-    pub fn holds_blocks(&self) -> bool {
-        self.groups.iter().any(|g| !g.blocks.is_empty())
-    }
-}
 
 fn num_skipped_blocks(spec: &GroupSpec, num_computed_tokens: usize) -> usize {
     spec.kind.num_skipped_tokens(num_computed_tokens) / spec.block_size

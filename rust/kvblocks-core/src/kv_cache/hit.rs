@@ -4,8 +4,11 @@
 //!
 //! Every group shares one block size here, which is also the hash block size and the hit
 //! alignment, so block `i` of every group is keyed by the request's hash `i`.
+//!
+//! This is the one walk over cached blocks in the crate: the embedded block manager's
+//! token-verified hits come from it too, through a [`HitFilter`].
 
-use super::spec::{AttentionKind, EngineConfig};
+use super::spec::{AttentionKind, CoordinatorConfig};
 use crate::hashing::BlockHash;
 use crate::pool::{BlockPool, CacheKey, NULL_BLOCK};
 
@@ -32,9 +35,34 @@ impl CacheHit {
     }
 }
 
-/// The block cached under hash `i` for each group of `groups`, or `None` if any misses.
-fn cached(pool: &BlockPool, hash: &BlockHash, groups: &[usize]) -> Option<Vec<u32>> {
-    groups.iter().map(|&g| pool.lookup(&CacheKey::new(*hash, g as u32)).first().copied()).collect()
+/// Which cached blocks a prefix hit may adopt, beyond their cache key. vLLM adopts any block
+/// cached under the request's hash ([`AnyCached`]); the embedded block manager also checks
+/// that the block holds the request's tokens. A search takes, at each position, the first
+/// candidate the filter accepts, and the checks on hits a caller hands back
+/// ([`crate::KvCacheCoordinator`]'s) refuse a block it does not accept.
+pub trait HitFilter {
+    /// Whether `block`, registered under `key` for group `group`, may serve block `index` of
+    /// the request. `before` is the group's hit before it where the search extends a hit
+    /// from its first block (full and chunked local attention, and every check: `index`
+    /// blocks); the searches from the right (sliding window, Mamba) pass none.
+    fn accepts(
+        &self,
+        group: usize,
+        index: usize,
+        block: u32,
+        key: &CacheKey,
+        before: &[u32],
+    ) -> bool;
+}
+
+/// vLLM's rule: every block cached under the request's hash serves it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AnyCached;
+
+impl HitFilter for AnyCached {
+    fn accepts(&self, _: usize, _: usize, _: u32, _: &CacheKey, _: &[u32]) -> bool {
+        true
+    }
 }
 
 /// One lookup set's hit: per member group its blocks, and the hit length in tokens.
@@ -49,14 +77,14 @@ struct SetHit {
 /// `min(len(block_hashes), max_length / block_size + 1)` of the request's hashes (enough for
 /// every limit below; vLLM would fail on an index past the request's hashes, here the
 /// search stops there).
-fn find_for_kind(
-    search: &Search<'_>,
+fn find_for_kind<F: HitFilter + ?Sized>(
+    search: &Search<'_, F>,
     kind: AttentionKind,
     max_length: usize,
     groups: &[usize],
     drop_eagle: bool,
 ) -> SetHit {
-    let Search { pool, hashes, block_size } = *search;
+    let Search { hashes, block_size, .. } = *search;
     let max_blocks = (max_length / block_size).min(hashes.len());
     let searched = hashes.get(..max_blocks).unwrap_or_default();
     let mut blocks = vec![Vec::new(); groups.len()];
@@ -66,8 +94,8 @@ fn find_for_kind(
     match kind {
         AttentionKind::Full => {
             // Chained hashes: the first miss ends the hit.
-            for hash in searched {
-                let Some(found) = cached(pool, hash, groups) else { break };
+            for (i, hash) in searched.iter().enumerate() {
+                let Some(found) = search.cached(i, hash, groups, &blocks) else { break };
                 push(&mut blocks, found);
             }
         }
@@ -78,7 +106,7 @@ fn find_for_kind(
             let mut run: Vec<Vec<u32>> = Vec::new();
             let mut found = None;
             for (i, hash) in searched.iter().enumerate().rev() {
-                match cached(pool, hash, groups) {
+                match search.cached(i, hash, groups, &[]) {
                     Some(hit) => {
                         run.push(hit);
                         if run.len() >= needed {
@@ -99,8 +127,8 @@ fn find_for_kind(
             // (whether or not the request has hashes that far).
             let first = max_length / chunk * chunk / block_size;
             blocks.iter_mut().for_each(|b| b.resize(first, NULL_BLOCK));
-            for hash in searched.get(first..).unwrap_or_default() {
-                let Some(found) = cached(pool, hash, groups) else { break };
+            for (i, hash) in searched.iter().enumerate().skip(first) {
+                let Some(found) = search.cached(i, hash, groups, &blocks) else { break };
                 push(&mut blocks, found);
             }
         }
@@ -108,7 +136,7 @@ fn find_for_kind(
             // A state is complete in itself: the latest cached one is the hit, every column
             // before it null. (vLLM's Mamba search ignores the EAGLE drop.)
             for (i, hash) in searched.iter().enumerate().rev() {
-                if let Some(found) = cached(pool, hash, groups) {
+                if let Some(found) = search.cached(i, hash, groups, &[]) {
                     blocks.iter_mut().for_each(|b| b.resize(i, NULL_BLOCK));
                     push(&mut blocks, found);
                     break;
@@ -134,22 +162,8 @@ pub(crate) struct LookupSet {
     pub drop_eagle: bool,
 }
 
-/// Which groups drop their last hit block for EAGLE (vLLM's `drop_eagle_group_ids`): the
-/// draft groups, or every group when EAGLE is on and no group is marked.
-pub(crate) fn eagle_drop_groups(config: &EngineConfig) -> Vec<bool> {
-    if !config.use_eagle {
-        return vec![false; config.groups.len()];
-    }
-    let marked: Vec<bool> = config.groups.iter().map(|g| g.is_eagle_group).collect();
-    if marked.iter().any(|&m| m) {
-        marked
-    } else {
-        vec![true; config.groups.len()]
-    }
-}
-
 /// The lookup sets in vLLM's order (a validated config names every group once).
-pub(crate) fn lookup_sets(config: &EngineConfig, drop: &[bool]) -> Vec<LookupSet> {
+pub(crate) fn lookup_sets(config: &CoordinatorConfig, drop: &[bool]) -> Vec<LookupSet> {
     let mut sets =
         if config.groups.len() == 1 { vec![vec![0]] } else { config.lookup_sets.clone() };
     // vLLM's hybrid coordinator visits full attention first (a stable sort, like vLLM's).
@@ -167,15 +181,43 @@ pub(crate) fn lookup_sets(config: &EngineConfig, drop: &[bool]) -> Vec<LookupSet
 }
 
 /// What a hit search reads: the pool, the request's leading hashes (see [`find_for_kind`]),
-/// and the block size every group shares.
-#[derive(Clone, Copy)]
-pub(crate) struct Search<'a> {
+/// the block size every group shares, and which cached blocks it may adopt.
+pub(crate) struct Search<'a, F: ?Sized> {
     pub pool: &'a BlockPool,
     pub hashes: &'a [BlockHash],
     pub block_size: usize,
+    pub filter: &'a F,
 }
 
-impl Search<'_> {
+impl<F: ?Sized> Clone for Search<'_, F> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<F: ?Sized> Copy for Search<'_, F> {}
+
+impl<F: HitFilter + ?Sized> Search<'_, F> {
+    /// The block the filter accepts for position `index` (hash `hash`) in each group of
+    /// `groups`, or `None` if any group has none; `hit` holds the groups' hits so far (see
+    /// [`HitFilter::accepts`]).
+    fn cached(
+        &self,
+        index: usize,
+        hash: &BlockHash,
+        groups: &[usize],
+        hit: &[Vec<u32>],
+    ) -> Option<Vec<u32>> {
+        let mut found = Vec::with_capacity(groups.len());
+        for (k, &g) in groups.iter().enumerate() {
+            let key = CacheKey::new(*hash, g as u32);
+            let before = hit.get(k).map_or(&[][..], Vec::as_slice);
+            let accepts = |&b: &u32| self.filter.accepts(g, index, b, &key, before);
+            found.push(*self.pool.lookup(&key).iter().find(|b| accepts(b))?);
+        }
+        Some(found)
+    }
+
     /// How far a lookup set searches for a hit of at most `length` tokens: with the EAGLE
     /// drop (never for Mamba) one block further, as far as the hashes go, so that the hit
     /// is `length` once its last block is dropped.
@@ -191,7 +233,7 @@ impl Search<'_> {
 /// The longest prefix of the request's hashes (at most `max_length` tokens) every group can
 /// serve from the cache (vLLM's unitary and hybrid coordinators).
 pub(crate) fn find_longest_cache_hit(
-    search: &Search<'_>,
+    search: &Search<'_, impl HitFilter + ?Sized>,
     sets: &[LookupSet],
     num_groups: usize,
     max_length: usize,
@@ -209,7 +251,7 @@ pub(crate) fn find_longest_cache_hit(
 /// most `max_length` tokens (with the EAGLE drop, one block more, as far as the hashes go),
 /// with no agreement between sets. Per group, its blocks and its hit length in tokens.
 pub(crate) fn find_cache_hit_per_group(
-    search: &Search<'_>,
+    search: &Search<'_, impl HitFilter + ?Sized>,
     sets: &[LookupSet],
     num_groups: usize,
     max_length: usize,
@@ -232,7 +274,7 @@ pub(crate) fn find_cache_hit_per_group(
 /// vLLM's hybrid coordinator: every lookup set either accepts the candidate length or
 /// shortens it, and a shortening restarts the round, until the length holds for all.
 fn hybrid_hit(
-    search: &Search<'_>,
+    search: &Search<'_, impl HitFilter + ?Sized>,
     sets: &[LookupSet],
     num_groups: usize,
     max_length: usize,

@@ -2,7 +2,7 @@
 //!
 //! The scheduler hands a request's block tables to the worker, which writes the KV (or the
 //! Mamba state) of every scheduled token into them: a table one block short means KV written
-//! outside the request's blocks, silently. So after each allocation the engine checks, per
+//! outside the request's blocks, silently. So after each allocation the coordinator checks, per
 //! group of the request, that the table covers the tokens under that group's rule and that
 //! every block the new tokens use is a real block the request references (not the null
 //! block, not free, not out of the pool), and that the call took no more free blocks than it
@@ -13,11 +13,11 @@
 //! step), so it stays on in release builds; debug builds (the tests) also check every block
 //! of every table the call returns.
 
-use super::{AttentionKind, KvCacheEngine, RequestBlocks};
+use super::{AttentionKind, KvCacheCoordinator, RequestBlocks};
 use crate::pool::NULL_BLOCK;
 use crate::{CoreError, CoreResult};
 
-/// What one `allocate_slots` call decided, for [`KvCacheEngine::check_allocation`].
+/// What one `allocate_slots` call decided, for [`KvCacheCoordinator::check_allocation`].
 pub(super) struct Allocation {
     /// The slots every attention group must cover (computed, new and lookahead tokens).
     pub slots: usize,
@@ -49,7 +49,7 @@ fn unsound(group: usize, what: String) -> CoreError {
     CoreError::Unsound(format!("group {group}: {what}"))
 }
 
-impl KvCacheEngine {
+impl KvCacheCoordinator {
     /// Checks what a successful allocation must leave (see the module's documentation);
     /// `counted` is the count the call admitted the request with, extra blocks included.
     pub(super) fn check_allocation(

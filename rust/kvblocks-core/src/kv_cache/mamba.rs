@@ -8,12 +8,12 @@
 //! column before the running one. The states at block boundaries are cached like full
 //! blocks (sparsely with a retention interval); a hit is the single latest cached state.
 //!
-//! What vLLM's manager keeps per request lives in [`MambaState`], beside the table; the one
-//! engine-wide set (the keys cached during the current scheduler step, which no request may
-//! adopt in that step) is the engine's.
+//! What vLLM's manager keeps per request lives in a `MambaState`, beside the table; the one
+//! coordinator-wide set (the keys cached during the current scheduler step, which no request may
+//! adopt in that step) is the coordinator's.
 
-use super::group::GroupBlocks;
-use super::spec::{AttentionKind, EngineConfig, GroupSpec};
+use super::spec::{AttentionKind, CoordinatorConfig, GroupSpec};
+use super::table::GroupBlocks;
 use crate::hashing::BlockHash;
 use crate::pool::{BlockPool, CacheKey, KvEvent, Registered, NULL_BLOCK};
 use std::collections::HashSet;
@@ -21,19 +21,6 @@ use std::hash::BuildHasherDefault;
 
 /// Keys registered during one scheduler step (vLLM's `cached_blocks_this_step`).
 pub(super) type StepKeys = HashSet<CacheKey, BuildHasherDefault<crate::pool::DigestHasher>>;
-
-/// A request's align-mode bookkeeping in one Mamba group.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct MambaState {
-    /// vLLM's `_num_retired_blocks`: every column before it has been released.
-    pub num_retired: usize,
-    /// vLLM's `_allocated_block_reqs`: the request has allocated in this group (its
-    /// speculative blocks exist and may be relocated).
-    pub allocated: bool,
-    /// vLLM's `_checkpoints`: the position and column of the checkpoint state the current
-    /// chunk writes, set by every non-admission block count.
-    pub checkpoint: Option<(usize, usize)>,
-}
 
 /// What decides a Mamba group's align-mode behaviour.
 #[derive(Debug, Clone, Copy)]
@@ -50,7 +37,7 @@ pub(super) struct Align {
 
 impl Align {
     /// The group's align-mode parameters, if it is a Mamba group with prefix caching on.
-    pub fn of(spec: &GroupSpec, config: &EngineConfig) -> Option<Self> {
+    pub fn of(spec: &GroupSpec, config: &CoordinatorConfig) -> Option<Self> {
         let AttentionKind::Mamba { speculative_blocks, checkpoint_alignment } = spec.kind else {
             return None;
         };
@@ -210,7 +197,7 @@ pub(super) fn num_blocks_to_allocate(
 /// out of that bound, so that with new tokens past that column it counts one block fewer
 /// than it takes: where the pool holds the count but not the blocks taken, vLLM admits the
 /// request and its pool runs dry halfway (`ValueError: Cannot get 1 free blocks from the
-/// pool`, vLLM 0.33 and 0.34). The engine refuses where the blocks taken do not fit
+/// pool`, vLLM 0.33 and 0.34). The coordinator refuses where the blocks taken do not fit
 /// (docs/vllm.md, "Where kvblocks differs").
 #[allow(clippy::too_many_arguments)]
 pub(super) fn num_blocks_taken(

@@ -1,5 +1,6 @@
-//! vLLM 0.33's `KVCacheManager` on block hashes the caller owns: the engine under
-//! `kvblocks.vllm.KVCacheManager`.
+//! vLLM 0.33's `KVCacheManager` on block hashes the caller owns, over one
+//! [`KvCacheCoordinator`]: the Rust side of `kvblocks.vllm.KVCacheManager` (through the PyO3
+//! class `kvblocks._core.KVCacheManager`).
 //!
 //! This manager keeps no tokens and no hashes: vLLM's `Request` owns them
 //! (`request.block_hashes`, `request.num_tokens`, `request.num_computed_tokens`), and the
@@ -8,10 +9,11 @@
 //! state as arguments. What the manager owns is vLLM's own: the block pool and, per request
 //! and group, its block table and how many of its blocks are registered in the cache.
 
-use super::RequestState;
 use super::{
-    AllocateArgs, BoundaryState, CacheHit, EngineConfig, HashSource, KvCacheEngine, RequestBlocks,
+    AllocateArgs, BoundaryState, CacheHit, CoordinatorConfig, HashSource, KvCacheCoordinator,
+    RequestBlocks,
 };
+use super::{AnyCached, RequestState};
 use crate::hashing::BlockHash;
 use crate::pool::{BlockPool, DigestHasher, KvEvent};
 use crate::CoreResult;
@@ -32,7 +34,7 @@ type IdMap<V> = HashMap<String, V, BuildHasherDefault<DigestHasher>>;
 
 #[derive(Debug, Clone)]
 pub struct KvCacheManager {
-    engine: KvCacheEngine,
+    coordinator: KvCacheCoordinator,
     requests: IdMap<RequestBlocks>,
     events: Vec<ManagerEvent>,
     /// Mamba states registered since the last [`Self::take_boundary_states`], with the
@@ -41,21 +43,21 @@ pub struct KvCacheManager {
 }
 
 impl KvCacheManager {
-    pub fn new(config: EngineConfig) -> CoreResult<Self> {
+    pub fn new(config: CoordinatorConfig) -> CoreResult<Self> {
         Ok(Self {
-            engine: KvCacheEngine::new(config)?,
+            coordinator: KvCacheCoordinator::new(config)?,
             requests: IdMap::default(),
             events: Vec::new(),
             boundary_states: Vec::new(),
         })
     }
 
-    pub fn config(&self) -> &EngineConfig {
-        self.engine.config()
+    pub fn config(&self) -> &CoordinatorConfig {
+        self.coordinator.config()
     }
 
     pub fn pool(&self) -> &BlockPool {
-        self.engine.pool()
+        self.coordinator.pool()
     }
 
     pub fn num_requests(&self) -> usize {
@@ -67,22 +69,22 @@ impl KvCacheManager {
         self.requests.keys().map(String::as_str)
     }
 
-    /// vLLM's `get_computed_blocks` search (see [`KvCacheEngine::find_longest_cache_hit`]).
+    /// vLLM's `get_computed_blocks` search (see [`KvCacheCoordinator::find_longest_cache_hit`]).
     pub fn lookup(
         &self,
         hashes: &(impl HashSource + ?Sized),
         max_length: usize,
     ) -> CoreResult<CacheHit> {
-        self.engine.find_longest_cache_hit(hashes, max_length)
+        self.coordinator.find_longest_cache_hit(hashes, max_length, &AnyCached)
     }
 
-    /// vLLM's per-group search (see [`KvCacheEngine::find_cache_hit_per_group`]).
+    /// vLLM's per-group search (see [`KvCacheCoordinator::find_cache_hit_per_group`]).
     pub fn lookup_per_group(
         &self,
         hashes: &(impl HashSource + ?Sized),
         max_length: usize,
     ) -> CoreResult<(Vec<Vec<u32>>, Vec<usize>)> {
-        self.engine.find_cache_hit_per_group(hashes, max_length)
+        self.coordinator.find_cache_hit_per_group(hashes, max_length)
     }
 
     /// vLLM's `allocate_slots` for the request `request_id`. Returns the blocks newly
@@ -95,7 +97,7 @@ impl KvCacheManager {
         hits: &[&[u32]],
         hashes: &(impl HashSource + ?Sized),
     ) -> CoreResult<Option<Vec<Vec<u32>>>> {
-        let num_groups = self.engine.num_groups();
+        let num_groups = self.coordinator.num_groups();
         let held = match self.requests.get_mut(request_id) {
             Some(held) => held,
             None => self
@@ -103,9 +105,9 @@ impl KvCacheManager {
                 .entry(request_id.to_owned())
                 .or_insert_with(|| RequestBlocks::new(num_groups)),
         };
-        let allocated = self.engine.allocate_slots(held, request, args, hits, hashes, |_, _| {});
+        let allocated = self.coordinator.allocate_slots(held, request, args, hits, hashes);
         let new = match allocated {
-            Ok(true) => Some(self.engine.new_blocks(held).map(<[u32]>::to_vec).collect()),
+            Ok(true) => Some(self.coordinator.new_blocks(held).map(<[u32]>::to_vec).collect()),
             _ => None,
         };
         if !held.holds_blocks() && !held.is_tracked() {
@@ -128,7 +130,7 @@ impl KvCacheManager {
         hashes: &(impl HashSource + ?Sized),
     ) -> CoreResult<()> {
         let Some(held) = self.requests.get_mut(request_id) else { return Ok(()) };
-        self.engine.cache_blocks(held, request, num_tokens, hashes)?;
+        self.coordinator.cache_blocks(held, request, num_tokens, hashes)?;
         self.drain_events(request_id);
         self.keep_boundary_states(request_id);
         Ok(())
@@ -138,7 +140,7 @@ impl KvCacheManager {
     /// `num_processed` tokens are done (a no-op for an unknown id).
     pub fn remove_skipped_blocks(&mut self, request_id: &str, num_processed: usize) {
         if let Some(held) = self.requests.get_mut(request_id) {
-            self.engine.remove_skipped_blocks(held, num_processed);
+            self.coordinator.remove_skipped_blocks(held, num_processed);
         }
         self.drain_events(request_id);
     }
@@ -147,16 +149,19 @@ impl KvCacheManager {
     /// no-op, as in vLLM (the scheduler frees requests that never got blocks).
     pub fn free(&mut self, request_id: &str) {
         if let Some(held) = self.requests.remove(request_id) {
-            self.engine.free(held);
+            self.coordinator.free(held);
         }
         self.drop_boundary_states(request_id);
     }
 
     /// vLLM's `pop_blocks_for_free`: forgets the request and returns its blocks, still held
-    /// (see [`KvCacheEngine::pop_blocks_for_free`]); empty for an unknown id.
+    /// (see [`KvCacheCoordinator::pop_blocks_for_free`]); empty for an unknown id.
     pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Vec<u32> {
         self.drop_boundary_states(request_id);
-        self.requests.remove(request_id).map(KvCacheEngine::pop_blocks_for_free).unwrap_or_default()
+        self.requests
+            .remove(request_id)
+            .map(KvCacheCoordinator::pop_blocks_for_free)
+            .unwrap_or_default()
     }
 
     /// vLLM's `take_boundary_state_offloads`: the Mamba states registered as full blocks
@@ -169,7 +174,7 @@ impl KvCacheManager {
     }
 
     fn keep_boundary_states(&mut self, request_id: &str) {
-        let states = self.engine.last_boundary_states();
+        let states = self.coordinator.last_boundary_states();
         if !states.is_empty() {
             let owned = states.iter().map(|&state| (request_id.to_owned(), state));
             self.boundary_states.extend(owned);
@@ -182,15 +187,15 @@ impl KvCacheManager {
         }
     }
 
-    /// vLLM's `BlockPool.free_blocks` (see [`KvCacheEngine::free_blocks`]).
+    /// vLLM's `BlockPool.free_blocks` (see [`KvCacheCoordinator::free_blocks`]).
     pub fn free_blocks(&mut self, ids: &[u32]) -> CoreResult<()> {
-        self.engine.free_blocks(ids)?;
+        self.coordinator.free_blocks(ids)?;
         self.drain_events("");
         Ok(())
     }
 
     /// vLLM's coordinator `get_num_blocks_to_allocate` for `request_id` without hits (a
-    /// request not seen yet holds nothing; see [`KvCacheEngine::num_blocks_to_allocate`]).
+    /// request not seen yet holds nothing; see [`KvCacheCoordinator::num_blocks_to_allocate`]).
     pub fn num_blocks_to_allocate(
         &mut self,
         request_id: &str,
@@ -204,11 +209,18 @@ impl KvCacheManager {
         let held = match self.requests.get_mut(request_id) {
             Some(held) => held,
             None => {
-                empty = RequestBlocks::new(self.engine.num_groups());
+                empty = RequestBlocks::new(self.coordinator.num_groups());
                 &mut empty
             }
         };
-        self.engine.num_blocks_to_allocate(held, num_tokens, main, total_computed, prefill_end, cap)
+        self.coordinator.num_blocks_to_allocate(
+            held,
+            num_tokens,
+            main,
+            total_computed,
+            prefill_end,
+            cap,
+        )
     }
 
     /// The request's block table in each group (empty for an unknown id).
@@ -218,52 +230,54 @@ impl KvCacheManager {
 
     /// vLLM's `estimate_cached_tokens`.
     pub fn estimate_cached_tokens(&self, request_id: &str) -> usize {
-        self.requests.get(request_id).map_or(0, |held| self.engine.estimate_cached_tokens(held))
+        self.requests
+            .get(request_id)
+            .map_or(0, |held| self.coordinator.estimate_cached_tokens(held))
     }
 
     pub fn num_free_blocks(&self) -> usize {
-        self.engine.num_free_blocks()
+        self.coordinator.num_free_blocks()
     }
 
     pub fn usage(&self) -> f64 {
-        self.engine.usage()
+        self.coordinator.usage()
     }
 
     /// vLLM's `reset_prefix_cache`: only when no request holds a block.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        let done = self.engine.reset_prefix_cache();
+        let done = self.coordinator.reset_prefix_cache();
         self.drain_events("");
         done
     }
 
-    /// vLLM's `new_step_starts` (see [`KvCacheEngine::new_step_starts`]).
+    /// vLLM's `new_step_starts` (see [`KvCacheCoordinator::new_step_starts`]).
     pub fn new_step_starts(&mut self) {
-        self.engine.new_step_starts();
+        self.coordinator.new_step_starts();
     }
 
     /// vLLM's `record_blocks_for_zeroing` for `request_id` (see
-    /// [`KvCacheEngine::record_blocks_for_zeroing`]); a no-op for an unknown id.
+    /// [`KvCacheCoordinator::record_blocks_for_zeroing`]); a no-op for an unknown id.
     pub fn record_blocks_for_zeroing(
         &mut self,
         request_id: &str,
         start_token: usize,
     ) -> CoreResult<()> {
         match self.requests.get(request_id) {
-            Some(held) => self.engine.record_blocks_for_zeroing(held, start_token),
+            Some(held) => self.coordinator.record_blocks_for_zeroing(held, start_token),
             None => Ok(()),
         }
     }
 
-    /// vLLM's `evict_blocks` (see [`KvCacheEngine::evict_blocks`]).
+    /// vLLM's `evict_blocks` (see [`KvCacheCoordinator::evict_blocks`]).
     pub fn evict_blocks(&mut self, ids: &[u32]) -> CoreResult<()> {
-        self.engine.evict_blocks(ids)?;
+        self.coordinator.evict_blocks(ids)?;
         self.drain_events("");
         Ok(())
     }
 
-    /// vLLM's `take_new_block_ids` (see [`KvCacheEngine::take_new_block_ids`]).
+    /// vLLM's `take_new_block_ids` (see [`KvCacheCoordinator::take_new_block_ids`]).
     pub fn take_new_block_ids(&mut self) -> Vec<u32> {
-        self.engine.take_new_block_ids()
+        self.coordinator.take_new_block_ids()
     }
 
     /// The events since the last call, oldest first.
@@ -274,10 +288,10 @@ impl KvCacheManager {
 
     /// Moves the pool's events here; registrations are the call's, for `request_id`.
     fn drain_events(&mut self, request_id: &str) {
-        if !self.engine.pool().events_enabled() {
+        if !self.coordinator.pool().events_enabled() {
             return;
         }
-        for event in self.engine.take_events() {
+        for event in self.coordinator.take_events() {
             self.events.push(match event {
                 KvEvent::BlockRemoved(key) => {
                     ManagerEvent::Removed { hash: key.hash, group: key.group }

@@ -1,5 +1,5 @@
 //! How a model's KV cache is laid out: its groups, each with the attention kind whose rules
-//! manage its blocks, and the engine-wide settings (vLLM's `KVCacheConfig` plus the
+//! manage its blocks, and the coordinator-wide settings (vLLM's `KVCacheConfig` plus the
 //! `KVCacheManager` arguments that change decisions).
 
 use crate::{CoreError, CoreResult};
@@ -103,9 +103,9 @@ impl GroupSpec {
     }
 }
 
-/// Everything that decides the engine's behaviour.
+/// Everything that decides the coordinator's behaviour.
 #[derive(Debug, Clone, PartialEq)]
-pub struct EngineConfig {
+pub struct CoordinatorConfig {
     /// All blocks, the null block (id 0) included.
     pub num_blocks: u32,
     pub groups: Vec<GroupSpec>,
@@ -134,11 +134,11 @@ pub struct EngineConfig {
     pub retention_interval: Option<usize>,
     /// vLLM's `KVCacheConfig.needs_kv_cache_zeroing` (Mamba layers, mixed-precision
     /// caches): the attention groups' fresh blocks are recorded for the worker to zero
-    /// ([`super::KvCacheEngine::take_new_block_ids`]).
+    /// ([`super::KvCacheCoordinator::take_new_block_ids`]).
     pub needs_kv_cache_zeroing: bool,
 }
 
-impl EngineConfig {
+impl CoordinatorConfig {
     /// One full-attention group of `block_size`-token blocks, caching on, nothing else.
     pub fn single_group(num_blocks: u32, block_size: usize, max_model_len: usize) -> Self {
         Self {
@@ -167,17 +167,31 @@ impl EngineConfig {
             .min(self.max_model_len)
     }
 
-    /// Whether some group frees blocks out of a window or chunk (only then does the engine
+    /// Whether some group frees blocks out of a window or chunk (only then does the coordinator
     /// read a request's prompt length, in-flight tokens and shared-prefix boundary).
     pub fn is_windowed(&self) -> bool {
         self.groups.iter().any(|g| !g.kind.is_full())
     }
 
-    /// The block size every group shares with prefix caching on (the engine reproduces vLLM
+    /// The block size every group shares with prefix caching on (the coordinator reproduces vLLM
     /// for layouts whose groups all use the hash block size); without caching, group 0's
-    /// (the engine then reads no hash).
+    /// (the coordinator then reads no hash).
     pub fn block_size(&self) -> usize {
         self.groups.first().map_or(1, |g| g.block_size)
+    }
+
+    /// Which groups drop their last hit block for EAGLE (vLLM's `drop_eagle_group_ids`): the
+    /// draft groups, or every group when EAGLE is on and no group is marked.
+    pub(crate) fn eagle_drop_groups(&self) -> Vec<bool> {
+        if !self.use_eagle {
+            return vec![false; self.groups.len()];
+        }
+        let marked: Vec<bool> = self.groups.iter().map(|g| g.is_eagle_group).collect();
+        if marked.iter().any(|&m| m) {
+            marked
+        } else {
+            vec![true; self.groups.len()]
+        }
     }
 
     pub(crate) fn validate(&self) -> CoreResult<()> {
@@ -256,7 +270,7 @@ impl EngineConfig {
                 ));
             }
         }
-        let drops = super::hit::eagle_drop_groups(self);
+        let drops = self.eagle_drop_groups();
         let chunked_drop =
             self.groups.iter().zip(&drops).position(|(g, &drop)| {
                 drop && matches!(g.kind, AttentionKind::ChunkedLocal { .. })

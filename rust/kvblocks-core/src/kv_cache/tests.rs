@@ -1,9 +1,11 @@
-//! Worked examples of the engine's rules (docs/semantics.md §2, §3 and §5), one group and
+//! Worked examples of the coordinator's rules (docs/semantics.md §2, §3 and §5), one group and
 //! several.
 
 #![allow(clippy::unwrap_used, clippy::indexing_slicing)] // test code: a panic is a failure
 
 use super::*;
+use crate::hashing::BlockHash;
+use crate::pool::NULL_BLOCK;
 
 fn h(i: u8) -> BlockHash {
     BlockHash::Sha256([i; 32])
@@ -35,18 +37,18 @@ fn chunked(block_size: usize, chunk: usize) -> GroupSpec {
     GroupSpec { kind: AttentionKind::ChunkedLocal { chunk }, ..full(block_size) }
 }
 
-fn engine(num_blocks: u32, groups: Vec<GroupSpec>) -> KvCacheManager {
+fn manager(num_blocks: u32, groups: Vec<GroupSpec>) -> KvCacheManager {
     let lookup_sets = {
         // full attention first, one set per group (no two specs are equal here)
         let mut ids: Vec<usize> = (0..groups.len()).collect();
         ids.sort_by_key(|&g| !groups[g].kind.is_full());
         ids.into_iter().map(|g| vec![g]).collect()
     };
-    KvCacheManager::new(EngineConfig {
+    KvCacheManager::new(CoordinatorConfig {
         groups,
         lookup_sets,
         enable_events: true,
-        ..EngineConfig::single_group(num_blocks, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(num_blocks, 4, 1 << 20)
     })
     .unwrap()
 }
@@ -85,9 +87,9 @@ fn free_queue(m: &KvCacheManager) -> Vec<u32> {
 #[test]
 fn worked_trace_of_vllm_semantics() {
     // N = 11, B = 16: R0 = 48 shared tokens + 7, R1 = the same 48 + 5.
-    let mut m = KvCacheManager::new(EngineConfig {
+    let mut m = KvCacheManager::new(CoordinatorConfig {
         enable_events: true,
-        ..EngineConfig::single_group(11, 16, 1 << 20)
+        ..CoordinatorConfig::single_group(11, 16, 1 << 20)
     })
     .unwrap();
     let shared = hashes(1..4);
@@ -111,7 +113,7 @@ fn worked_trace_of_vllm_semantics() {
 
 #[test]
 fn refusals_change_nothing() {
-    let mut m = engine(5, vec![full(4)]);
+    let mut m = manager(5, vec![full(4)]);
     admit(&mut m, "a", &[h(1), h(2)], 9); // 3 blocks, 1 free
     let before = (free_queue(&m), table(&m, "a", 0));
     let args = AllocateArgs { num_new_tokens: 9, ..AllocateArgs::default() };
@@ -135,9 +137,9 @@ fn refusals_change_nothing() {
 
 #[test]
 fn watermark_applies_to_waiting_requests_while_others_are_scheduled() {
-    let mut m = KvCacheManager::new(EngineConfig {
+    let mut m = KvCacheManager::new(CoordinatorConfig {
         watermark_blocks: 3,
-        ..EngineConfig::single_group(6, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(6, 4, 1 << 20)
     })
     .unwrap();
     let none: &[&[u32]] = &[&[]];
@@ -151,9 +153,9 @@ fn watermark_applies_to_waiting_requests_while_others_are_scheduled() {
     let new = m.allocate_slots("a", &running, &args, none, &[][..]).unwrap();
     assert_eq!(new, Some(vec![vec![1, 2, 3]]));
     // Nothing scheduled yet: no watermark for a waiting request either.
-    let mut m = KvCacheManager::new(EngineConfig {
+    let mut m = KvCacheManager::new(CoordinatorConfig {
         watermark_blocks: 3,
-        ..EngineConfig::single_group(6, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(6, 4, 1 << 20)
     })
     .unwrap();
     args = AllocateArgs { num_new_tokens: 12, has_scheduled_reqs: false, ..Default::default() };
@@ -162,7 +164,7 @@ fn watermark_applies_to_waiting_requests_while_others_are_scheduled() {
 
 #[test]
 fn caching_follows_the_hashes_the_caller_has() {
-    let mut m = engine(8, vec![full(2)]);
+    let mut m = manager(8, vec![full(2)]);
     let args = AllocateArgs { num_new_tokens: 6, ..AllocateArgs::default() };
     // Only one hash exists yet: only one block is registered.
     let none: &[&[u32]] = &[&[]];
@@ -184,7 +186,7 @@ fn caching_follows_the_hashes_the_caller_has() {
 
 #[test]
 fn reset_needs_every_block_back() {
-    let mut m = engine(4, vec![full(2)]);
+    let mut m = manager(4, vec![full(2)]);
     admit(&mut m, "a", &[h(1)], 3);
     assert!(!m.reset_prefix_cache());
     m.free("a");
@@ -198,7 +200,7 @@ fn reset_needs_every_block_back() {
 fn sliding_window_frees_blocks_that_leave_the_window() {
     // Window 8, block 4: once 13 tokens are computed, tokens 0..6 are outside every later
     // token's window: block 0 (tokens 0..4) is freed and becomes the null block.
-    let mut m = engine(10, vec![window(4, 8)]);
+    let mut m = manager(10, vec![window(4, 8)]);
     let all = hashes(1..5);
     admit(&mut m, "a", &all, 13);
     assert_eq!(table(&m, "a", 0), [1, 2, 3, 4]);
@@ -212,7 +214,7 @@ fn sliding_window_frees_blocks_that_leave_the_window() {
 
 #[test]
 fn sliding_window_hits_need_only_the_window_and_search_from_the_right() {
-    let mut m = engine(12, vec![window(4, 8)]);
+    let mut m = manager(12, vec![window(4, 8)]);
     let all = hashes(1..5);
     admit(&mut m, "a", &all, 17); // blocks 1..=5, the first four cached
     m.free("a");
@@ -230,7 +232,7 @@ fn sliding_window_hits_need_only_the_window_and_search_from_the_right() {
 fn chunked_local_hits_start_at_the_last_chunk() {
     // Chunk 8, block 4. A 13-token prompt on an empty cache: tokens 0..8 are a finished
     // chunk no later token reads, so they count as computed with null blocks.
-    let mut m = engine(12, vec![chunked(4, 8)]);
+    let mut m = manager(12, vec![chunked(4, 8)]);
     let all = hashes(1..5);
     let hit = admit(&mut m, "a", &all, 13);
     assert_eq!((hit.blocks, hit.num_tokens), (vec![vec![0, 0]], 8));
@@ -247,7 +249,7 @@ fn chunked_local_hits_start_at_the_last_chunk() {
 #[test]
 fn hybrid_hits_are_the_longest_prefix_every_group_serves() {
     // Full attention (group 0) and a window of 8 (group 1), block 4.
-    let mut m = engine(30, vec![full(4), window(4, 8)]);
+    let mut m = manager(30, vec![full(4), window(4, 8)]);
     let all = hashes(1..6);
     admit(&mut m, "a", &all, 21); // 6 blocks each, the 5 full ones cached
     assert_eq!(table(&m, "a", 0).len(), 6);
@@ -268,8 +270,10 @@ fn hybrid_hits_are_the_longest_prefix_every_group_serves() {
 
 #[test]
 fn eagle_drops_the_last_matched_block() {
-    let config =
-        |use_eagle| EngineConfig { use_eagle, ..EngineConfig::single_group(10, 4, 1 << 20) };
+    let config = |use_eagle| CoordinatorConfig {
+        use_eagle,
+        ..CoordinatorConfig::single_group(10, 4, 1 << 20)
+    };
     for (use_eagle, expected) in [(false, 12), (true, 8)] {
         let mut m = KvCacheManager::new(config(use_eagle)).unwrap();
         let all = hashes(1..5);
@@ -285,11 +289,11 @@ fn sparse_retention_registers_only_the_windows_a_replay_can_use() {
     // before the replay boundary (prompt - 1 = 23, aligned down to 20: blocks 3 and 4) is
     // registered.
     let groups = vec![window(4, 8)];
-    let mut m = KvCacheManager::new(EngineConfig {
+    let mut m = KvCacheManager::new(CoordinatorConfig {
         groups,
         enable_events: true,
         retention_interval: Some(0),
-        ..EngineConfig::single_group(20, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(20, 4, 1 << 20)
     })
     .unwrap();
     let all = hashes(1..7);
@@ -307,7 +311,7 @@ fn sparse_retention_registers_only_the_windows_a_replay_can_use() {
 
 #[test]
 fn a_failed_allocation_still_frees_blocks_out_of_the_window() {
-    let mut m = engine(5, vec![window(4, 4)]);
+    let mut m = manager(5, vec![window(4, 4)]);
     let all = hashes(1..4);
     admit(&mut m, "a", &all, 12); // 3 blocks, 1 free
     let running = RequestState { num_computed_tokens: 12, is_waiting: false, ..state(30) };
@@ -320,7 +324,7 @@ fn a_failed_allocation_still_frees_blocks_out_of_the_window() {
 
 #[test]
 fn more_reserved_blocks_than_free_refuse_even_an_allocation_that_needs_none() {
-    let mut m = engine(4, vec![full(4)]);
+    let mut m = manager(4, vec![full(4)]);
     admit(&mut m, "a", &[], 3); // one block, slots for 4 tokens
     let running = RequestState { num_computed_tokens: 3, is_waiting: false, ..state(4) };
     let one = AllocateArgs { num_new_tokens: 1, reserved_blocks: 10, ..AllocateArgs::default() };
@@ -333,7 +337,7 @@ fn more_reserved_blocks_than_free_refuse_even_an_allocation_that_needs_none() {
 #[test]
 fn hits_must_have_a_lookups_shape() {
     // Full attention (group 0) and a window of 8 (group 1), block 4: five blocks cached.
-    let mut m = engine(30, vec![full(4), window(4, 8)]);
+    let mut m = manager(30, vec![full(4), window(4, 8)]);
     let all = hashes(1..6);
     admit(&mut m, "a", &all, 21);
     m.free("a");
@@ -361,10 +365,10 @@ fn hits_must_have_a_lookups_shape() {
 
 #[test]
 fn lookup_sets_are_visited_full_attention_first_whatever_their_order() {
-    let config = EngineConfig {
+    let config = CoordinatorConfig {
         groups: vec![window(4, 8), chunked(4, 8), full(4)],
         lookup_sets: vec![vec![0], vec![1], vec![2]],
-        ..EngineConfig::single_group(30, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(30, 4, 1 << 20)
     };
     let sets = hit::lookup_sets(&config, &[false; 3]);
     let order: Vec<Vec<usize>> = sets.into_iter().map(|s| s.groups).collect();
@@ -377,14 +381,17 @@ fn configs_vllm_cannot_run_are_refused() {
         kind: AttentionKind::SlidingWindow { window: usize::MAX, extra_retained: 1 },
         ..full(4)
     };
-    let eagle_chunked = EngineConfig {
+    let eagle_chunked = CoordinatorConfig {
         groups: vec![full(4), chunked(4, 8)],
         lookup_sets: vec![vec![0], vec![1]],
         use_eagle: true,
-        ..EngineConfig::single_group(10, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(10, 4, 1 << 20)
     };
     let bad = [
-        EngineConfig { groups: vec![overflow], ..EngineConfig::single_group(10, 4, 1 << 20) },
+        CoordinatorConfig {
+            groups: vec![overflow],
+            ..CoordinatorConfig::single_group(10, 4, 1 << 20)
+        },
         eagle_chunked,
     ];
     for config in bad {
@@ -394,7 +401,7 @@ fn configs_vllm_cannot_run_are_refused() {
 
 #[test]
 fn huge_token_counts_do_not_overflow() {
-    let mut m = engine(10, vec![window(4, 8), chunked(4, 8)]);
+    let mut m = manager(10, vec![window(4, 8), chunked(4, 8)]);
     admit(&mut m, "a", &hashes(1..3), 9);
     m.remove_skipped_blocks("a", usize::MAX);
     assert_eq!(table(&m, "a", 0), [0, 0, 0]);
@@ -410,12 +417,12 @@ fn mamba_keeps_the_running_state_and_its_draft_blocks_and_only_attention_is_zero
     // vLLM's MambaManager without prefix caching: `num_tokens + block_size *
     // num_speculative_blocks` slots, and every block before the one holding token
     // `num_computed - 1` is freed. Groups may differ in block size without caching.
-    let mut m = KvCacheManager::new(EngineConfig {
+    let mut m = KvCacheManager::new(CoordinatorConfig {
         groups: vec![full(4), mamba(8, 1)],
         lookup_sets: vec![vec![0], vec![1]],
         enable_caching: false,
         needs_kv_cache_zeroing: true,
-        ..EngineConfig::single_group(20, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(20, 4, 1 << 20)
     })
     .unwrap();
     let first = AllocateArgs { num_new_tokens: 10, ..AllocateArgs::default() };
@@ -447,36 +454,38 @@ fn mamba_keeps_the_running_state_and_its_draft_blocks_and_only_attention_is_zero
 
 #[test]
 fn mamba_prefix_caching_refuses_multi_token_lookahead_and_block_sizes_must_agree() {
-    let cached = EngineConfig {
+    let cached = CoordinatorConfig {
         groups: vec![full(4), mamba(4, 0)],
         lookup_sets: vec![vec![0], vec![1]],
-        ..EngineConfig::single_group(20, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(20, 4, 1 << 20)
     };
     assert!(KvCacheManager::new(cached.clone()).is_ok());
-    let lookahead = EngineConfig { num_hash_lookahead_tokens: 2, ..cached.clone() };
+    let lookahead = CoordinatorConfig { num_hash_lookahead_tokens: 2, ..cached.clone() };
     let err = KvCacheManager::new(lookahead).unwrap_err().to_string();
     assert!(err.contains("at most one lookahead token"), "{err}");
     let mut zero = mamba(4, 0);
     zero.kind = AttentionKind::Mamba { speculative_blocks: 0, checkpoint_alignment: Some(0) };
-    assert!(KvCacheManager::new(EngineConfig { groups: vec![full(4), zero], ..cached }).is_err());
-    let sizes = EngineConfig {
+    assert!(
+        KvCacheManager::new(CoordinatorConfig { groups: vec![full(4), zero], ..cached }).is_err()
+    );
+    let sizes = CoordinatorConfig {
         groups: vec![full(4), full(8)],
         lookup_sets: vec![vec![0, 1]],
-        ..EngineConfig::single_group(20, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(20, 4, 1 << 20)
     };
     let err = KvCacheManager::new(sizes.clone()).unwrap_err().to_string();
     assert!(err.contains("same block size"), "{err}");
-    assert!(KvCacheManager::new(EngineConfig { enable_caching: false, ..sizes }).is_ok());
+    assert!(KvCacheManager::new(CoordinatorConfig { enable_caching: false, ..sizes }).is_ok());
 }
 
 /// Full attention and one Mamba group of 16-token blocks, prefix caching on (vLLM's
 /// "align" mode), `speculative` draft-state blocks, 64 blocks, every state retained.
 fn align(speculative: usize) -> KvCacheManager {
-    KvCacheManager::new(EngineConfig {
+    KvCacheManager::new(CoordinatorConfig {
         groups: vec![full(16), mamba(16, speculative)],
         lookup_sets: vec![vec![0], vec![1]],
         enable_events: true,
-        ..EngineConfig::single_group(64, 16, 1 << 20)
+        ..CoordinatorConfig::single_group(64, 16, 1 << 20)
     })
     .unwrap()
 }
@@ -582,11 +591,11 @@ fn external_tokens_get_fresh_blocks_within_the_window_and_deferred_frees_keep_th
     // asynchronous load: nothing new to compute, registration delayed). Full attention needs
     // ceil(12 / 4) = 3 blocks: the hit and 2 fresh ones. A 4-token window skips
     // 12 + 1 - 4 = 9 tokens: 2 null blocks, and only block 2 (tokens 8..12) is taken.
-    let mut m = KvCacheManager::new(EngineConfig {
+    let mut m = KvCacheManager::new(CoordinatorConfig {
         groups: vec![full(4), window(4, 4)],
         lookup_sets: vec![vec![0], vec![1]],
         needs_kv_cache_zeroing: true,
-        ..EngineConfig::single_group(20, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(20, 4, 1 << 20)
     })
     .unwrap();
     admit(&mut m, "a", &hashes(1..2), 4);
@@ -639,12 +648,12 @@ fn evicting_blocks_drops_their_keys_and_zeroing_records_a_table_again() {
     // vLLM's failed-load paths: evict_blocks takes the listed blocks' cache entries away (a
     // BlockRemoved each that had one) without freeing them; record_blocks_for_zeroing records
     // an attention group's blocks from a block boundary on for zeroing again.
-    let mut m = KvCacheManager::new(EngineConfig {
+    let mut m = KvCacheManager::new(CoordinatorConfig {
         groups: vec![full(4), window(4, 4)],
         lookup_sets: vec![vec![0], vec![1]],
         enable_events: true,
         needs_kv_cache_zeroing: true,
-        ..EngineConfig::single_group(20, 4, 1 << 20)
+        ..CoordinatorConfig::single_group(20, 4, 1 << 20)
     })
     .unwrap();
     admit(&mut m, "a", &hashes(1..4), 12);
@@ -672,11 +681,11 @@ fn evicting_blocks_drops_their_keys_and_zeroing_records_a_table_again() {
 
 /// Jamba's layout in miniature: three Mamba groups (prefix caching on: vLLM's "align"
 /// mode) and one full-attention group, 16-token blocks, `num_blocks` in the pool.
-fn jamba(num_blocks: u32) -> KvCacheEngine {
-    KvCacheEngine::new(EngineConfig {
+fn jamba(num_blocks: u32) -> KvCacheCoordinator {
+    KvCacheCoordinator::new(CoordinatorConfig {
         groups: vec![mamba(16, 0), mamba(16, 0), mamba(16, 0), full(16)],
         lookup_sets: vec![vec![3], vec![0, 1, 2]],
-        ..EngineConfig::single_group(num_blocks, 16, 1 << 20)
+        ..CoordinatorConfig::single_group(num_blocks, 16, 1 << 20)
     })
     .unwrap()
 }
@@ -705,14 +714,14 @@ fn a_mamba_state_loaded_from_a_connector_is_counted_before_admission() {
     let hashes = hashes(1..2);
     let mut short = jamba(8); // 7 usable blocks
     let mut held = RequestBlocks::new(4);
-    let done = short.allocate_slots(&mut held, &request, &args, &[], &hashes[..], |_, _| {});
+    let done = short.allocate_slots(&mut held, &request, &args, &[], &hashes[..]);
     assert_eq!(done, Ok(false));
     assert_eq!(short.num_free_blocks(), 7);
     assert!(held.groups.iter().all(|g| g.blocks.is_empty()));
 
     let mut enough = jamba(9); // 8 usable blocks: exactly what it takes
     let mut held = RequestBlocks::new(4);
-    let done = enough.allocate_slots(&mut held, &request, &args, &[], &hashes[..], |_, _| {});
+    let done = enough.allocate_slots(&mut held, &request, &args, &[], &hashes[..]);
     assert_eq!(done, Ok(true));
     assert_eq!(enough.num_free_blocks(), 0);
     for group in &held.groups {
@@ -729,12 +738,13 @@ fn a_planted_under_allocation_is_caught_naming_the_group() {
     // table on.
     let (request, args) = sync_load();
     let hashes = hashes(1..2);
-    let mut engine = jamba(9);
+    let mut coordinator = jamba(9);
     let mut held = RequestBlocks::new(4);
     let steal = |pool: &mut BlockPool, _: &mut RequestBlocks| {
         pool.get_new_blocks(1);
     };
-    let done = engine.allocate_slots(&mut held, &request, &args, &[], &hashes[..], steal);
+    let done =
+        coordinator.allocate_slots_with_fault(&mut held, &request, &args, &[], &hashes[..], steal);
     let Err(CoreError::Unsound(what)) = done else { panic!("not caught: {done:?}") };
     assert_eq!(what, "group 3: 1 blocks where 18 tokens need 2");
     // The manager names the request too.
@@ -746,43 +756,43 @@ fn a_planted_under_allocation_is_caught_naming_the_group() {
 
 #[test]
 fn the_invariant_names_a_short_table_and_a_block_no_request_holds() {
-    // Planted directly into a table the engine just allocated (a bug in a rule would leave
+    // Planted directly into a table the coordinator just allocated (a bug in a rule would leave
     // the same): one block short in the full-attention group, then a column holding a free
     // block in a Mamba group.
     let (request, args) = sync_load();
     let hashes = hashes(1..2);
-    let mut engine = jamba(12);
+    let mut coordinator = jamba(12);
     let mut held = RequestBlocks::new(4);
-    let free_before = engine.num_free_blocks();
-    engine.allocate_slots(&mut held, &request, &args, &[], &hashes[..], |_, _| {}).unwrap();
+    let free_before = coordinator.num_free_blocks();
+    coordinator.allocate_slots(&mut held, &request, &args, &[], &hashes[..]).unwrap();
     let call = invariant::Allocation {
         slots: 18,
         main: 18,
         computed: 16,
         total: 16,
         first: true,
-        taken: free_before - engine.num_free_blocks(),
+        taken: free_before - coordinator.num_free_blocks(),
     };
-    assert_eq!(engine.check_allocation(&held, &call, 8), Ok(()));
+    assert_eq!(coordinator.check_allocation(&held, &call, 8), Ok(()));
 
     let mut one_short = held.clone();
     one_short.groups[3].blocks.pop();
     assert_eq!(
-        engine.check_allocation(&one_short, &call, 8),
+        coordinator.check_allocation(&one_short, &call, 8),
         Err(CoreError::Unsound("group 3: 1 blocks where 18 tokens need 2".into()))
     );
 
     let mut stale = held.clone();
-    let free = engine.pool().free_block_ids().next().unwrap();
+    let free = coordinator.pool().free_block_ids().next().unwrap();
     stale.groups[1].blocks[1] = free;
-    let Err(CoreError::Unsound(what)) = engine.check_allocation(&stale, &call, 8) else {
+    let Err(CoreError::Unsound(what)) = coordinator.check_allocation(&stale, &call, 8) else {
         panic!("a free block in a table was not caught")
     };
     assert!(what.starts_with("group 1: column 1 holds block"), "{what}");
     assert!(what.ends_with("which no request references"), "{what}");
 
     // More blocks taken than counted is caught even when every table is whole.
-    let Err(CoreError::Unsound(what)) = engine.check_allocation(&held, &call, 5) else {
+    let Err(CoreError::Unsound(what)) = coordinator.check_allocation(&held, &call, 5) else {
         panic!("an under-count was not caught")
     };
     assert_eq!(what, "the allocation took 8 free blocks after counting 5");

@@ -1,18 +1,21 @@
 //! The KV-cache block manager: per-request token buffers and block tables for one
-//! full-attention group, allocated by the core's one allocation engine ([`KvCacheEngine`],
-//! vLLM 0.33's rules), with two layers of its own on top: copy-on-write forks (parallel
-//! sampling) and token-verified prefix hits.
+//! full-attention group, over the core's one coordinator ([`KvCacheCoordinator`], vLLM 0.33's
+//! rules), which finds its prefix hits and takes every block, its forks' copy-on-write
+//! included. What this layer adds: the requests' tokens and hashes, forks (parallel sampling,
+//! sharing blocks until one writes), token-verified prefix hits, the batched step, events with
+//! the tokens they cover, and statistics.
 //!
 //! The manager is the one owner of each request's state (tokens, computed tokens, block table,
 //! handle). This file holds the per-request operations and the allocation call they share with
-//! the batched step ([`step`]); prefix lookup and hit checks are in `verify`, the events and
-//! provenance of registered blocks in `events`.
+//! the batched step ([`step`]); `verify` holds the cache keys and the token verification the
+//! coordinator's hit search and hit checks apply, `events` the events and provenance of
+//! registered blocks.
 
 mod events;
 mod step;
 mod verify;
 
-use crate::kv_cache::{AllocateArgs, EngineConfig, KvCacheEngine, RequestBlocks};
+use crate::kv_cache::{AllocateArgs, CoordinatorConfig, KvCacheCoordinator, RequestBlocks};
 use crate::kv_cache::{GroupSpec, RequestState};
 use crate::pool::{BlockPool, KvEvent};
 use crate::requests::{RequestRef, Slab};
@@ -59,7 +62,7 @@ impl Default for ManagerConfig {
 #[derive(Debug, Clone)]
 struct Request {
     seq: TokenSequence,
-    /// The block table, as the engine keeps it (one group).
+    /// The block table, as the coordinator keeps it (one group).
     table: RequestBlocks,
     num_computed_tokens: usize,
     /// Holds an allocation (scheduled since its last `free`).
@@ -88,7 +91,7 @@ impl Request {
         self.running || !self.blocks().is_empty()
     }
 
-    /// What the engine reads of the request.
+    /// What the coordinator reads of the request.
     fn state(&self) -> RequestState {
         RequestState {
             num_tokens: self.seq.num_tokens(),
@@ -107,7 +110,7 @@ pub struct BlockManager {
     hasher: Arc<BlockHasher>,
     block_size: usize,
     max_model_len: usize,
-    engine: KvCacheEngine,
+    coordinator: KvCacheCoordinator,
     requests: Slab<Request>,
     stats: Option<PrefixCacheStats>,
     copies: Vec<[u32; 2]>,
@@ -156,7 +159,7 @@ impl BlockManager {
             false => None,
         };
         let max_model_len = config.max_model_len.unwrap_or(usize::MAX);
-        let engine = KvCacheEngine::new(EngineConfig {
+        let coordinator = KvCacheCoordinator::new(CoordinatorConfig {
             num_blocks,
             groups: vec![GroupSpec::full(block_size)],
             lookup_sets: vec![vec![0]],
@@ -172,7 +175,7 @@ impl BlockManager {
             needs_kv_cache_zeroing: false,
         })?;
         Ok(Self {
-            engine,
+            coordinator,
             max_model_len,
             stats: config.log_stats.then(PrefixCacheStats::default),
             block_size,
@@ -194,7 +197,7 @@ impl BlockManager {
     }
 
     pub fn pool(&self) -> &BlockPool {
-        self.engine.pool()
+        self.coordinator.pool()
     }
 
     fn slot<'a>(&self, request: impl Into<RequestRef<'a>>) -> CoreResult<usize> {
@@ -285,7 +288,7 @@ impl BlockManager {
         &self,
         request: impl Into<RequestRef<'a>>,
     ) -> CoreResult<(Vec<u32>, usize)> {
-        let hits = self.computed_blocks(self.request(request)?);
+        let hits = self.computed_blocks(self.request(request)?)?;
         let num_tokens = hits.len() * self.block_size;
         Ok((hits, num_tokens))
     }
@@ -352,8 +355,9 @@ impl BlockManager {
 
     /// `allocate_slots` once [`Self::check_allocation`] and the hit checks passed: true when
     /// it allocated, false (nothing changed) when the pool cannot provide the blocks. The
-    /// engine makes vLLM's decisions; this layer adds copy-on-write of shared blocks the step
-    /// writes into, the request's computed tokens, statistics, and verified provenance.
+    /// coordinator makes vLLM's decisions and takes every block, copy-on-write of shared
+    /// blocks the step writes into included; this layer adds the request's computed tokens,
+    /// statistics, verified provenance and the queue of block copies.
     fn allocate_in(
         &mut self,
         slot: usize,
@@ -366,59 +370,31 @@ impl BlockManager {
         let request = self.requests.get_mut(slot).ok_or(CoreError::Internal("no request"))?;
         let local = request.num_computed_tokens + num_new_computed_tokens;
         debug_assert!(local + num_new_tokens <= request.seq.num_tokens());
-        // Copy-on-write: every held block that this step writes into and that a fork shares.
-        let pool = self.engine.pool();
-        let held = request.blocks();
-        let written = local / b..(local + num_new_tokens).div_ceil(b).min(held.len());
-        let num_cow =
-            written.clone().filter(|&i| held.get(i).is_some_and(|&x| pool.ref_cnt(x) > 1));
+        let pool = self.coordinator.pool();
         let args = AllocateArgs {
             num_new_tokens,
             num_new_computed_tokens,
             num_lookahead_tokens,
             // The embedded scheduler's running requests are exactly those holding blocks.
             has_scheduled_reqs: pool.num_blocks() - 1 > pool.num_free_blocks(),
-            extra_blocks: num_cow.count(),
+            // Forks share blocks until one of them writes.
+            copy_on_write: true,
             ..AllocateArgs::default()
         };
         let state = request.state();
-        // The engine works on the table; the request gets it back whatever the outcome.
+        // The coordinator works on the table; the request gets it back whatever the outcome.
         let mut table = std::mem::take(&mut request.table);
         let hashes =
             verify::CacheKeys::new(request.seq.block_hashes(), self.config.debug_key_bytes);
-        let copies = &mut self.copies;
-        let mut short = false;
-        let cow = |pool: &mut BlockPool, table: &mut RequestBlocks| {
-            let Some(blocks) = table.groups.first_mut() else { return };
-            for index in written {
-                let Some(slot) = blocks.blocks.get_mut(index) else { continue };
-                if pool.ref_cnt(*slot) <= 1 {
-                    continue;
-                }
-                // The engine counted these blocks (`extra_blocks`): none left is a bug.
-                let Some(&dst) = pool.get_new_blocks(1).first() else {
-                    short = true;
-                    return;
-                };
-                if index * b < local {
-                    copies.push([*slot, dst]);
-                }
-                pool.release_shared(*slot);
-                *slot = dst;
-            }
-        };
-        let new = self.engine.allocate_slots(
+        let new = self.coordinator.allocate_slots(
             &mut table,
             &state,
             &args,
             &[new_computed_blocks],
             &hashes,
-            cow,
         );
         request.table = table;
-        if short {
-            return Err(CoreError::Internal("copy-on-write found no free block"));
-        }
+        self.copies.extend_from_slice(self.coordinator.last_copies());
         if let Err(error @ CoreError::Unsound(_)) = new {
             let handle = self.requests.handle(slot);
             let id = self.requests.iter().find(|&(_, h, _)| h == handle).map(|(id, _, _)| id);
@@ -427,10 +403,11 @@ impl BlockManager {
         if !new? {
             return Ok(false);
         }
+        let request = self.requests.get_mut(slot).ok_or(CoreError::Internal("no request"))?;
         let first_admission = !request.running;
         request.num_computed_tokens = local + num_new_tokens;
         request.running = true;
-        events::report_registered(&mut self.engine, request, self.provenance.as_mut(), b);
+        events::report_registered(&mut self.coordinator, request, self.provenance.as_mut(), b);
         if self.config.enable_caching && first_admission {
             if let Some(stats) = &mut self.stats {
                 let num_tokens = request.seq.num_tokens();
@@ -457,7 +434,7 @@ impl BlockManager {
         let table = std::mem::replace(&mut request.table, RequestBlocks::new(1));
         request.num_computed_tokens = 0;
         request.running = false;
-        self.engine.free(table);
+        self.coordinator.free(table);
     }
 
     /// Parallel sampling: `child` starts as a copy of `parent` sharing all its blocks.
@@ -468,9 +445,9 @@ impl BlockManager {
         }
         let mut copy = self.request(parent)?.clone();
         copy.num_preemptions = 0;
-        let blocks = copy.blocks().to_vec();
+        let table = copy.table.clone();
         let (_, handle) = self.requests.insert(child, copy)?;
-        self.engine.pool_mut().touch(&blocks);
+        self.coordinator.share(&table);
         Ok(handle)
     }
 
@@ -485,11 +462,11 @@ impl BlockManager {
     }
 
     pub fn num_free_blocks(&self) -> usize {
-        self.engine.num_free_blocks()
+        self.coordinator.num_free_blocks()
     }
 
     pub fn usage(&self) -> f64 {
-        self.engine.usage()
+        self.coordinator.usage()
     }
 
     /// The statistics since the last call (a fresh record starts), or `None` without stats.
@@ -498,7 +475,7 @@ impl BlockManager {
     }
 
     pub fn reset_prefix_cache(&mut self) -> bool {
-        let done = self.engine.reset_prefix_cache();
+        let done = self.coordinator.reset_prefix_cache();
         if done {
             if let Some(stats) = &mut self.stats {
                 stats.reset = true;
@@ -508,7 +485,7 @@ impl BlockManager {
     }
 
     pub fn take_events(&mut self) -> Vec<KvEvent> {
-        self.engine.take_events()
+        self.coordinator.take_events()
     }
 
     /// The `(src, dst)` block copies queued by copy-on-write since the last call.

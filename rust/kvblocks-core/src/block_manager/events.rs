@@ -1,27 +1,27 @@
-//! What the embedded manager adds when the engine registers a request's blocks: the full
+//! What the embedded manager adds when the coordinator registers a request's blocks: the full
 //! `BlockStored` event (the manager owns the tokens and keys) and, with `verify_tokens`, the
 //! provenance that later proves a hit holds the same tokens.
 
 use super::verify::Provenance;
 use super::Request;
-use crate::kv_cache::KvCacheEngine;
+use crate::kv_cache::KvCacheCoordinator;
 use crate::pool::{BlockStored, EventKey, KvEvent};
 use crate::{ExtraKey, TokenSequence};
 
-/// Reports the blocks the engine's last call registered for `request`.
+/// Reports the blocks the coordinator's last call registered for `request`.
 pub(super) fn report_registered(
-    engine: &mut KvCacheEngine,
+    coordinator: &mut KvCacheCoordinator,
     request: &Request,
     provenance: Option<&mut Provenance>,
     b: usize,
 ) {
-    if engine.last_registered().is_empty() {
+    if coordinator.last_registered().is_empty() {
         return;
     }
     // One full-attention group: no block is ever masked out or null.
-    debug_assert!(engine.last_registered().iter().all(|r| r.skipped.is_empty()));
+    debug_assert!(coordinator.last_registered().iter().all(|r| r.skipped.is_empty()));
     if let Some(provenance) = provenance {
-        for registered in engine.last_registered() {
+        for registered in coordinator.last_registered() {
             for index in registered.first..registered.end {
                 if let Some(&block) = request.blocks().get(index) {
                     provenance.record(request, index, block, b);
@@ -29,7 +29,7 @@ pub(super) fn report_registered(
             }
         }
     }
-    engine.pool_mut().rewrite_registered(|registered| {
+    coordinator.rewrite_registered(|registered| {
         KvEvent::BlockStored(stored_event(&request.seq, registered.first, registered.end, b))
     });
 }

@@ -1,10 +1,11 @@
-//! Prefix lookup and the checks on prefix hits: which cached block serves block `i` of a
-//! request, and (with `verify_tokens`) the provenance that proves it holds the same tokens.
+//! What the embedded manager adds to the coordinator's prefix lookup and hit checks: the
+//! cache keys (with debug keys cut short), and (with `verify_tokens`) the provenance that
+//! proves a cached block holds the same tokens as the request's block, as a [`HitFilter`].
 
 use super::{invalid, BlockManager, Request};
 use crate::hashing::native;
-use crate::kv_cache::HashSource;
-use crate::pool::{CacheKey, NULL_BLOCK};
+use crate::kv_cache::{HashSource, HitFilter};
+use crate::pool::CacheKey;
 use crate::{try_filled, BlockHash, CoreResult, ExtraKey, TokenSequence};
 
 /// The parent of a first block.
@@ -90,11 +91,11 @@ fn registered_hash(hash: &BlockHash, debug_key_bytes: Option<usize>) -> BlockHas
 }
 
 /// The cache key of a block hash in the manager's one group (0).
-pub(super) fn key_of(hash: &BlockHash, debug_key_bytes: Option<usize>) -> CacheKey {
+fn key_of(hash: &BlockHash, debug_key_bytes: Option<usize>) -> CacheKey {
     CacheKey::new(registered_hash(hash, debug_key_bytes), 0)
 }
 
-/// A sequence's block hashes as the engine registers them (see [`registered_hash`]).
+/// A sequence's block hashes as the coordinator registers them (see [`registered_hash`]).
 pub(super) struct CacheKeys<'a> {
     hashes: &'a [BlockHash],
     debug_key_bytes: Option<usize>,
@@ -116,55 +117,69 @@ impl HashSource for CacheKeys<'_> {
     }
 }
 
+/// The embedded manager's rule for prefix hits, which the coordinator's hit search and hit
+/// checks apply: a block serves block `index` of `seq` only if it is registered under the
+/// sequence's hash `index` and, with `verify_tokens`, holds the same tokens after the same
+/// parent (the hit's previous block) with the same extra keys.
+struct Verified<'a> {
+    seq: &'a TokenSequence,
+    provenance: Option<&'a Provenance>,
+    debug_key_bytes: Option<usize>,
+    block_size: usize,
+}
+
+impl HitFilter for Verified<'_> {
+    fn accepts(&self, _: usize, index: usize, block: u32, key: &CacheKey, before: &[u32]) -> bool {
+        let hash = self.seq.block_hashes().get(index);
+        let registered = hash.is_some_and(|h| *key == key_of(h, self.debug_key_bytes));
+        let parent = before.last().copied().unwrap_or(NO_PARENT);
+        registered
+            && self
+                .provenance
+                .is_none_or(|p| p.matches(self.seq, index, block, parent, self.block_size))
+    }
+}
+
+/// The index of the first block of `blocks` that also stands earlier in it.
+fn first_repeat(blocks: &[u32]) -> Option<usize> {
+    let seen_before = |(i, b): (usize, &u32)| blocks.get(..i).is_some_and(|seen| seen.contains(b));
+    blocks.iter().enumerate().position(seen_before)
+}
+
 impl BlockManager {
-    fn key_of(&self, hash: &BlockHash) -> CacheKey {
-        key_of(hash, self.config.debug_key_bytes)
-    }
-
-    fn provenance_matches(
-        &self,
-        seq: &TokenSequence,
-        index: usize,
-        block: u32,
-        parent: u32,
-    ) -> bool {
-        self.provenance
-            .as_ref()
-            .is_none_or(|p| p.matches(seq, index, block, parent, self.block_size))
-    }
-
-    /// The cached block for block `index` of `seq`, if any.
-    fn find_cached(&self, seq: &TokenSequence, index: usize, parent: u32) -> Option<u32> {
-        let hash = seq.block_hashes().get(index)?;
-        let candidates = self.pool().lookup(&self.key_of(hash));
-        if self.provenance.is_none() {
-            return candidates.first().copied();
+    fn verified<'a>(&'a self, request: &'a Request) -> Verified<'a> {
+        Verified {
+            seq: &request.seq,
+            provenance: self.provenance.as_ref(),
+            debug_key_bytes: self.config.debug_key_bytes,
+            block_size: self.block_size,
         }
-        candidates.iter().copied().find(|&b| self.provenance_matches(seq, index, b, parent))
     }
 
     /// The request's longest cached prefix (vLLM's `get_computed_blocks`), capped so that at
-    /// least its last token is computed. Takes no references.
-    pub(super) fn computed_blocks(&self, request: &Request) -> Vec<u32> {
-        let mut hits = Vec::new();
-        if !self.config.enable_caching {
-            return hits;
-        }
-        let max_blocks = request.seq.num_tokens().saturating_sub(1) / self.block_size;
+    /// least its last token is computed: the coordinator's search, of blocks [`Verified`]
+    /// accepts. Takes no references.
+    pub(super) fn computed_blocks(&self, request: &Request) -> CoreResult<Vec<u32>> {
+        let max_length = request.seq.num_tokens().saturating_sub(1);
+        let hashes = CacheKeys::new(request.seq.block_hashes(), self.config.debug_key_bytes);
+        let found = self.coordinator.find_longest_cache_hit(
+            &hashes,
+            max_length,
+            &self.verified(request),
+        )?;
+        let mut hits = found.blocks.into_iter().next().unwrap_or_default();
         // A block already in the hit is a key collision, possible only with keys cut short
         // for debugging: one block cannot hold two positions, the hit ends.
-        let short_keys = self.config.debug_key_bytes.is_some();
-        for index in 0..max_blocks {
-            let parent = hits.last().copied().unwrap_or(NO_PARENT);
-            match self.find_cached(&request.seq, index, parent) {
-                Some(block) if !(short_keys && hits.contains(&block)) => hits.push(block),
-                _ => break,
+        if self.config.debug_key_bytes.is_some() {
+            if let Some(end) = first_repeat(&hits) {
+                hits.truncate(end);
             }
         }
-        hits
+        Ok(hits)
     }
 
-    /// Caller-supplied hits must be the request's cached prefix, block by block.
+    /// Caller-supplied hits must be the request's cached prefix, block by block (the
+    /// coordinator's check, with [`Verified`]), each block once.
     pub(super) fn check_hits(
         &self,
         request: &Request,
@@ -178,21 +193,14 @@ impl BlockManager {
                 hits.len() * self.block_size
             )));
         }
-        let mut parent = NO_PARENT;
-        for (index, &block) in hits.iter().enumerate() {
-            let hash = request.seq.block_hashes().get(index);
-            let registered = hash.is_some_and(|h| self.pool().key(block) == Some(&self.key_of(h)));
-            if block == NULL_BLOCK
-                || !registered
-                || hits.get(..index).is_some_and(|seen| seen.contains(&block))
-                || !self.provenance_matches(&request.seq, index, block, parent)
-            {
-                return Err(invalid(format!(
-                    "new_computed_blocks[{index}] = {block} is not the request's cached block \
-                     {index}; pass what get_computed_blocks returned"
-                )));
-            }
-            parent = block;
+        let unservable = self.coordinator.first_unservable_hit(&[hits], &self.verified(request));
+        let first_bad = unservable.map(|(_, index, _)| index).into_iter().chain(first_repeat(hits));
+        if let Some(index) = first_bad.min() {
+            let block = hits.get(index).copied().unwrap_or_default();
+            return Err(invalid(format!(
+                "new_computed_blocks[{index}] = {block} is not the request's cached block \
+                 {index}; pass what get_computed_blocks returned"
+            )));
         }
         Ok(())
     }

@@ -281,8 +281,11 @@ impl BlockManager {
             // A lookup's hit plus its new tokens can reach the whole request.
             let local = request.num_computed_tokens.saturating_add(hit_tokens);
             let (computed, new_slots) = if lookup { (num_tokens, 0) } else { (local, new) };
-            let need =
-                self.engine.config().num_slots(computed, new_slots, input.num_lookahead_tokens);
+            let need = self.coordinator.config().num_slots(
+                computed,
+                new_slots,
+                input.num_lookahead_tokens,
+            );
             let blocks_after = need.div_ceil(b).max(request.blocks().len() + hit_tokens / b);
             sizes.max_blocks = sizes.max_blocks.max(blocks_after);
             sizes.max_tokens = sizes.max_tokens.saturating_add(new);
@@ -344,9 +347,9 @@ impl PlannedStep<'_, '_> {
         }
         m.last_rows.clear();
         let copies_before = m.copies.len();
-        m.engine.pool_mut().record_evictions();
+        m.coordinator.record_evictions();
         let scheduled = m.allocate_rows(input, &self.slots, out);
-        let evicted_blocks = m.engine.pool_mut().stop_recording_evictions();
+        let evicted_blocks = m.coordinator.stop_recording_evictions();
         let mut result = scheduled?;
         // The step hands its own copies over; earlier ones stay for `take_block_copies`.
         result.block_copies = m.copies.split_off(copies_before.min(m.copies.len()));
@@ -384,10 +387,10 @@ impl BlockManager {
             let mut hits = Vec::new();
             let lookup = entry(input.prefix_lookup, i).unwrap_or(false);
             if lookup {
-                hits = self.computed_blocks(request);
+                hits = self.computed_blocks(request)?;
                 hit_tokens = hits.len() * b;
             } else if hit_tokens > 0 {
-                hits = self.computed_blocks(request);
+                hits = self.computed_blocks(request)?;
                 if hits.len() < hit_tokens / b {
                     break; // an earlier request of this step evicted part of the prefix
                 }
