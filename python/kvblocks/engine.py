@@ -13,8 +13,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-import kvblocks
-import kvblocks.reference
+import kvblocks._core as _core
+import kvblocks.reference as reference
 from kvblocks.model import LlamaConfig, LlamaForCausalLM, load_pretrained
 from kvblocks.prompts import Prompts, checked_prompts
 from kvblocks.runtime import ModelRunner
@@ -163,7 +163,7 @@ class LLM:
             self.model = load_pretrained(model, dtype=dtype, device=device)
         if num_blocks is None:
             num_blocks = 4096
-        module: Any = kvblocks if backend == "rust" else kvblocks.reference
+        module: Any = _core if backend == "rust" else reference
         self.manager: BlockManagerProtocol = module.BlockManager(
             num_blocks,
             block_size,

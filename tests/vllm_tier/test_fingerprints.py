@@ -21,12 +21,12 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 import kvblocks.vllm
 from kvblocks.vllm import _state, fingerprints
-from kvblocks.vllm.bench_driver import SchedulerSpec, block_hasher, make_scheduler
 from kvblocks.vllm.block_hasher import get_request_block_hasher
 from kvblocks.vllm.fingerprints import __main__ as fingerprints_cli
 from kvblocks.vllm.fingerprints import extract
 from kvblocks.vllm.fingerprints.ported import PORTED
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
+from tests.vllm_driver import SchedulerSpec, block_hasher, make_scheduler
 
 VERSION = "0.33.0"
 STORED = fingerprints.stored_path(VERSION)
@@ -266,7 +266,7 @@ def test_missing_file_is_seen(vllm_copy: Path) -> None:
 def test_unknown_version_turns_everything_off(
     monkeypatch: pytest.MonkeyPatch, model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(kvblocks.vllm, "_vllm_version", lambda: "0.33.9")
+    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.33.9")
     lines = install_logging(caplog)
     assert len(lines) == 2
     assert all("no fingerprints of vllm 0.33.9 (kvblocks has: 0.33.0)" in line for line in lines)

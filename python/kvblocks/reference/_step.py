@@ -1,21 +1,75 @@
 """The twin's batched step: ``schedule_step`` as the per-request calls it stands for, the
 checks of the native ``plan_step`` before it, and ``lookup_batch``. The public functions take
-the manager first and are bound as :class:`~kvblocks.reference.manager.BlockManager`
-methods."""
+the manager first and are bound as :class:`~kvblocks.reference.manager.BlockManager` methods;
+what they use of it is :class:`StepManager` (this module does not import the manager)."""
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvblocks.reference._args import int_arg, size_arg, token_ids
+from kvblocks.reference._requests import Request, RequestRef
+from kvblocks.reference.pool import BlockPool
 from kvblocks.step import ScheduledStep, StepBuffers
 
-if TYPE_CHECKING:
-    from kvblocks.reference.manager import BlockManager
+
+class StepManager(Protocol):
+    """What the batched step uses of the manager: its per-request operations, its request
+    table, the checks every allocation passes, and the state a step leaves behind (the block
+    copies not yet taken, the rows of the last step)."""
+
+    block_size: int
+    max_model_len: int
+    block_pool: BlockPool
+    _copies: list[tuple[int, int]]
+    _last_rows: list[int]
+
+    def append_token_ids(self, request_id: RequestRef, token_ids: Any, /) -> None: ...
+
+    def get_computed_blocks(self, request_id: RequestRef, /) -> tuple[list[int], int]: ...
+
+    def allocate_slots(
+        self,
+        request_id: RequestRef,
+        num_new_tokens: int,
+        /,
+        *,
+        num_new_computed_tokens: int | None = None,
+        new_computed_blocks: list[int] | None = None,
+        num_lookahead_tokens: int | None = None,
+    ) -> list[int] | None: ...
+
+    def free(self, request_id: RequestRef, /) -> None: ...
+
+    def get_block_ids(self, request_id: RequestRef, /) -> list[int]: ...
+
+    def num_computed_tokens(self, request_id: RequestRef, /) -> int: ...
+
+    def num_tokens(self, request_id: RequestRef, /) -> int: ...
+
+    def _slot(self, ref: RequestRef) -> int: ...
+
+    def _handle_of(self, slot: int) -> int: ...
+
+    def _request(self, ref: RequestRef) -> Request: ...
+
+    def _request_at(self, slot: int) -> Request: ...
+
+    def _check_model_len(self, num_tokens: int) -> None: ...
+
+    def _check_allocation(
+        self,
+        request: Request,
+        num_tokens: int,
+        new: int,
+        computed: int,
+        *,
+        may_be_empty: bool = False,
+    ) -> None: ...
 
 
 def _i64s(obj: Any, what: str) -> list[int]:
@@ -56,7 +110,7 @@ def _checked_buffers(buffers: Any) -> dict[str, Any]:
 
 
 def lookup_batch(
-    manager: BlockManager, handles: Any, /
+    manager: StepManager, handles: Any, /
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
     found = [manager.get_computed_blocks(h) for h in _i64s(handles, "handles")]
     return (
@@ -79,7 +133,7 @@ def _mask(obj: Any, what: str) -> list[int]:
     return out
 
 
-def _sampled(manager: BlockManager, sampled_token_ids: Any) -> dict[int, int]:
+def _sampled(manager: StepManager, sampled_token_ids: Any) -> dict[int, int]:
     """The previous rows' samples as ``{slot: token}``, rows of removed requests dropped."""
     if sampled_token_ids is None:
         return {}
@@ -107,7 +161,7 @@ def _sampled(manager: BlockManager, sampled_token_ids: Any) -> dict[int, int]:
 
 
 def _plan_step(
-    manager: BlockManager,
+    manager: StepManager,
     handles: list[int],
     new: list[int] | None,
     hits: list[int] | None,
@@ -175,7 +229,7 @@ def _plan_step(
 
 
 def schedule_step(
-    manager: BlockManager,
+    manager: StepManager,
     handles: Any,
     num_new_tokens: Any = None,
     /,

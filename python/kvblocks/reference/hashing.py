@@ -79,7 +79,7 @@ def _sized(data: bytes) -> bytes:
 
 
 def _native(obj: object) -> bytes:
-    """The ``xxh3_128`` layout (README, "Hash contract"): the seed string, or a block tuple."""
+    """The ``xxh3_128`` layout (docs/hash-contract.md): the seed string, or a block tuple."""
     if isinstance(obj, str):
         return obj.encode("utf-8")
     assert isinstance(obj, tuple)

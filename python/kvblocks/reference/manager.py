@@ -4,24 +4,28 @@ group: a Python object per block, an intrusive linked list for the free queue, a
 hash to blocks. It makes the same decisions as the Rust manager and raises the same errors.
 
 This module holds the manager itself (its request table and the per-request operations); the
-rest is split by concept, as in the Rust core: the block pool in :mod:`.pool`, the batched step
-in :mod:`._step`, token verification in :mod:`._verify` and the ``BlockStored`` events in
-:mod:`._events`. Those modules' functions take the manager first and are bound here as its
-methods."""
+rest is split by concept, as in the Rust core: the block pool in :mod:`.pool`, the request
+records in :mod:`._requests`, the batched step in :mod:`._step`, token verification in
+:mod:`._verify` and the ``BlockStored`` events in :mod:`._events`. Those modules do not import
+this one: the step's functions take the manager first (what they use of it is
+:class:`._step.StepManager`) and are bound here as its methods; the verifier is an object the
+manager owns, and the events are built from what they read."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
+import kvblocks.reference._step as _step
 from kvblocks.kv_events import KVCacheEvent
-from kvblocks.reference import _events, _step, _verify
 from kvblocks.reference._args import int_arg, one_or_many_token_ids, size_arg, str_arg, token_ids
-from kvblocks.reference._verify import _Provenance
+from kvblocks.reference._events import stored_event
+from kvblocks.reference._requests import Request, RequestRef
+from kvblocks.reference._verify import TokenVerifier
 from kvblocks.reference.hashing import BlockHasher, RequestKeys
 from kvblocks.reference.pool import NULL_BLOCK_ID, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from kvblocks.reference.sequence import TokenSequence
@@ -35,19 +39,6 @@ __all__ = [
     "KVCacheBlock",
     "RequestRef",
 ]
-
-
-@dataclass
-class _Request:
-    seq: TokenSequence
-    blocks: list[KVCacheBlock] = field(default_factory=list)
-    num_cached_blocks: int = 0
-    num_computed_tokens: int = 0
-    running: bool = False
-    num_preemptions: int = 0
-
-
-RequestRef = str | int
 
 
 def _id_arg(value: Any) -> RequestRef:
@@ -65,7 +56,7 @@ def _id_arg(value: Any) -> RequestRef:
 class _Entry:
     request_id: str
     generation: int
-    request: _Request | None
+    request: Request | None
 
 
 class BlockManager:
@@ -133,7 +124,7 @@ class BlockManager:
         self._by_id: dict[str, int] = {}
         self._stats = PrefixCacheStats() if log_stats else None
         self._copies: list[tuple[int, int]] = []
-        self._provenance: dict[int, _Provenance] = {}
+        self._verifier = TokenVerifier(block_size, verify_tokens)
         #: The handles of the last step's rows (``sampled_token_ids`` of the next step).
         self._last_rows: list[int] = []
 
@@ -155,12 +146,12 @@ class BlockManager:
     def _handle_of(self, slot: int) -> int:
         return (self._entries[slot].generation << 32) | slot
 
-    def _request(self, ref: RequestRef) -> _Request:
+    def _request(self, ref: RequestRef) -> Request:
         request = self._entries[self._slot(ref)].request
         assert request is not None
         return request
 
-    def _insert(self, request_id: str, request: _Request) -> int:
+    def _insert(self, request_id: str, request: Request) -> int:
         if self._free_slots:
             slot = self._free_slots.pop()
             entry = self._entries[slot]
@@ -201,7 +192,7 @@ class BlockManager:
         if not prompt:
             raise ValueError("invalid prompt length (must be >= 1): 0")
         return self._insert(
-            request_id, _Request(TokenSequence._from_checked(prompt, self.hasher, keys))
+            request_id, Request(TokenSequence._from_checked(prompt, self.hasher, keys))
         )
 
     def append_token_ids(self, request_id: RequestRef, token_ids: Any, /) -> None:
@@ -219,7 +210,7 @@ class BlockManager:
         entry.request = None
         self._free_slots.append(slot)
 
-    def _request_at(self, slot: int) -> _Request:
+    def _request_at(self, slot: int) -> Request:
         request = self._entries[slot].request
         assert request is not None
         return request
@@ -253,11 +244,18 @@ class BlockManager:
             return block_hash
         return block_hash[:n] + bytes(max(len(block_hash) - n, 0))
 
-    # Token verification (verify_tokens=True), in _verify.py.
-    _block_tokens = _verify.block_tokens
-    _block_keys = _verify.block_keys
-    _provenance_matches = _verify.provenance_matches
-    _find_cached = _verify.find_cached
+    def _find_cached(
+        self, seq: TokenSequence, index: int, parent: int | None
+    ) -> KVCacheBlock | None:
+        """The cached block that holds block ``index`` of ``seq`` after block ``parent`` (with
+        verify_tokens, the one whose recorded tokens, parent and extra keys match)."""
+        hashes = seq.block_hashes
+        if index >= len(hashes):
+            return None
+        candidates = self.block_pool.cached_block_hash_to_block.get(self._key(hashes[index]))
+        if not candidates:
+            return None
+        return self._verifier.find(candidates.values(), seq, index, parent)
 
     def get_computed_blocks(self, request_id: RequestRef, /) -> tuple[list[int], int]:
         request = self._request(_id_arg(request_id))
@@ -277,7 +275,7 @@ class BlockManager:
 
     # ---------------------------------------------------------------- allocation
 
-    def _check_hits(self, request: _Request, hits: list[int], hit_tokens: int) -> None:
+    def _check_hits(self, request: Request, hits: list[int], hit_tokens: int) -> None:
         if len(hits) * self.block_size != hit_tokens:
             raise ValueError(
                 f"num_new_computed_tokens={hit_tokens} must equal len(new_computed_blocks) * "
@@ -297,7 +295,7 @@ class BlockManager:
                 or index >= len(hashes)
                 or block.block_hash != self._key(hashes[index])
                 or block_id in hits[:index]
-                or not self._provenance_matches(request.seq, index, block, parent)
+                or not self._verifier.matches(request.seq, index, block, parent)
             ):
                 raise ValueError(
                     f"new_computed_blocks[{index}] = {block_id} is not the request's cached "
@@ -381,7 +379,7 @@ class BlockManager:
 
     def _check_allocation(
         self,
-        request: _Request,
+        request: Request,
         num_tokens: int,
         new: int,
         computed: int,
@@ -410,7 +408,7 @@ class BlockManager:
             raise ValueError(f"block id {block_id} is out of range")
         return block_id
 
-    def _cache_blocks(self, request: _Request, num_tokens: int) -> None:
+    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
         hashes = request.seq.block_hashes
@@ -423,22 +421,18 @@ class BlockManager:
             block = request.blocks[index]
             if block.block_hash is None and self.verify_tokens:
                 parent = request.blocks[index - 1].block_id if index else None
-                self._provenance[block.block_id] = _Provenance(
-                    self._block_tokens(request.seq, index),
-                    parent,
-                    self._block_keys(request.seq, index),
-                )
+                self._verifier.record(block.block_id, request.seq, index, parent)
             self.block_pool.cache_block(block, self._key(hashes[index]))
         if self.block_pool.kv_event_queue is not None:
-            self.block_pool.kv_event_queue.append(self._stored_event(request.seq, done, full))
+            self.block_pool.kv_event_queue.append(
+                stored_event(request.seq, done, full, self.block_size, self.block_pool.external)
+            )
         request.num_cached_blocks = full
-
-    _stored_event = _events.stored_event  # in _events.py
 
     def free(self, request_id: RequestRef, /) -> None:
         self._free_request(self._request(_id_arg(request_id)))
 
-    def _free_request(self, request: _Request) -> None:
+    def _free_request(self, request: Request) -> None:
         if request.blocks:
             request.num_preemptions += 1
         blocks, request.blocks = request.blocks, []
@@ -452,7 +446,7 @@ class BlockManager:
         if child_id in self._by_id:
             raise KeyError(f"request id {child_id!r} already exists")
         parent = self._request(parent_id)
-        child = _Request(
+        child = Request(
             parent.seq._clone(),
             blocks=list(parent.blocks),
             num_cached_blocks=parent.num_cached_blocks,
@@ -491,7 +485,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         done = self.block_pool.reset_prefix_cache()
         if done:
-            self._provenance.clear()
+            self._verifier.clear()
             if self._stats is not None:
                 self._stats.reset = True
         return done
@@ -527,3 +521,8 @@ class BlockManager:
             f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"num_free_blocks={self.num_free_blocks}, num_requests={len(self)})"
         )
+
+
+if TYPE_CHECKING:
+    # The batched step's functions, bound above, take the manager as a StepManager.
+    _STEP_MANAGER: type[_step.StepManager] = BlockManager

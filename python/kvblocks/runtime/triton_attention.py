@@ -17,12 +17,11 @@ CPU under ``TRITON_INTERPRET=1``, which is how the tests check it against the to
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from kvblocks.runtime.attention import AttentionMetadata, StepPlan
+from kvblocks.runtime._metadata import AttentionMetadata, StepPlan
 
 _KERNEL: Any = None
 

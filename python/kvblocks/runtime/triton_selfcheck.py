@@ -60,6 +60,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kvblocks.runtime.triton_attention as triton_attention
+from kvblocks.runtime._metadata import AttentionMetadata, checked_plan
+from kvblocks.runtime._torch_attention import torch_paged_attention
+
 _TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
@@ -151,9 +155,6 @@ def check_kernels(
 ) -> SelfCheck:
     """Runs both Triton kernels on ``device`` once on their check batch and measures them
     against the torch path (no state changes; a kernel's exception is reported, not raised)."""
-    from kvblocks.runtime import triton_attention
-    from kvblocks.runtime.attention import AttentionMetadata, paged_attention
-
     geometry = Geometry(
         query_dtype, cache_dtype or query_dtype, heads, kv_heads, head_dim, block_size
     )
@@ -168,9 +169,9 @@ def check_kernels(
         query = batch.query.to(query_dtype)
         try:
             ref_meta = AttentionMetadata.from_arrays(*batch.arrays)
-            expected = paged_attention(
-                query.double(), ref_k, ref_v, ref_meta, scale, backend="torch"
-            )
+            ref_query = query.double()
+            ref_plan = checked_plan(ref_query, ref_k, ref_v, ref_meta)
+            expected = torch_paged_attention(ref_query, ref_k, ref_v, ref_plan, float(scale))
             meta = AttentionMetadata.from_arrays(*batch.arrays, device=device)
             out = triton_attention.triton_paged_attention(
                 query.to(device), k, v, meta, meta.plan(block_size), scale
@@ -202,10 +203,8 @@ class _CheckData:
 
     @classmethod
     def build(cls, g: Geometry) -> _CheckData:
-        from kvblocks.runtime.triton_attention import prefill_tile
-
         b = g.block_size
-        tile = prefill_tile(g.heads // g.kv_heads)
+        tile = triton_attention.prefill_tile(g.heads // g.kv_heads)
         # (context length after the step, new tokens)
         decodes = [(1, 1), (b + b // 2 + 1, 1), (max(3 * b, 37), 1)]
         prefills = [(b + 3 + tile + 3, tile + 3), (5, 5)]

@@ -23,8 +23,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from kvblocks.vllm import _state
-from kvblocks.vllm._state import Reason
+import kvblocks.vllm._state as _state
+import kvblocks.vllm.versions as versions
+from kvblocks.vllm._state import ENV_VAR, Reason
+from kvblocks.vllm.versions import (
+    SUPPORTED_VLLM,
+    unsupported_vllm,
+    version_fallback,
+)
 
 __all__ = [
     "MODES",
@@ -44,7 +50,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # These import vLLM: only when asked for (e.g. by --scheduler-cls kvblocks.vllm.Scheduler).
     if name in ("Scheduler", "AsyncScheduler"):
-        from kvblocks.vllm import scheduler
+        import kvblocks.vllm.scheduler as scheduler
 
         return getattr(scheduler, name)
     if name == "KVCacheManager":
@@ -56,10 +62,6 @@ def __getattr__(name: str) -> object:
 
 #: The values of ``KVBLOCKS_VLLM`` and of :func:`install`'s ``mode``.
 MODES = ("all", "hasher", "off")
-#: The vLLM releases this version of kvblocks reproduces: ``>= 0.33, < 0.34``.
-SUPPORTED_VLLM = ((0, 33), (0, 34))
-#: The environment variable read by :func:`register`.
-ENV_VAR = "KVBLOCKS_VLLM"
 
 
 @dataclass(frozen=True)
@@ -93,68 +95,11 @@ class Status:
         return text
 
 
-def _vllm_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return None
-
-
-def _supported(version: str) -> bool:
-    import re
-
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None:
-        return False
-    low, high = SUPPORTED_VLLM
-    return low <= (int(match[1]), int(match[2])) < high
-
-
-def supported_range() -> str:
-    """:data:`SUPPORTED_VLLM` as a pip requirement's specifier: ``>=0.33,<0.34``."""
-    low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
-    return f">={low},<{high}"
-
-
-def unsupported_vllm(version: str | None) -> str | None:
-    """Why kvblocks leaves vLLM ``version`` alone (None when it supports it), with what to
-    do: the log line of the plugin and of ``--scheduler-cls kvblocks.vllm.Scheduler``, and
-    what ``kvblocks bench --engine vllm`` says."""
-    if version is None:
-        from kvblocks._install import install_hint
-
-        return f"vLLM is not installed: {install_hint('vllm')}"
-    if _supported(version):
-        return None
-    from kvblocks import __version__
-
-    return (
-        f"kvblocks {__version__} supports vllm{supported_range()}, not vllm {version}: "
-        f"{_version_remedy(version)}"
-    )
-
-
-def _version_remedy(version: str) -> str:
-    return (
-        f"to use kvblocks, install a kvblocks release that supports vllm {version}, "
-        f'or pip install "vllm{supported_range()}"'
-    )
-
-
-def version_fallback(part: str, version: str) -> None:
-    """Records that ``part`` leaves vLLM ``version`` alone because kvblocks does not support
-    that release (``status()`` lists it; the caller logs the one line)."""
-    detail = f"vllm {version}; {_version_remedy(version)}"
-    _state.fall_back(part, Reason.VLLM_VERSION, detail, quiet=True)
-
-
 def status() -> Status:
     """What is active in this process, and every reason a part fell back so far."""
     return Status(
         mode=_state.mode,
-        vllm_version=_vllm_version(),
+        vllm_version=versions.installed_vllm_version(),
         active=dict(_state.active),
         fallbacks={
             f"{part}: {_state.describe(part, reason)}": count
@@ -196,7 +141,7 @@ def _install(mode: str) -> Status:
     parts = [("hasher", _install_hasher)]
     if mode == "all":
         parts.append(("kv_cache_manager", _install_manager))
-    version = _vllm_version()
+    version = versions.installed_vllm_version()
     refusal = unsupported_vllm(version)
     if refusal is not None:
         if version is not None:  # a refusal by version is a fallback status() reports
@@ -204,7 +149,7 @@ def _install(mode: str) -> Status:
                 version_fallback(part, version)
         raise ImportError(refusal)
     assert version is not None
-    from kvblocks.vllm import fingerprints
+    import kvblocks.vllm.fingerprints as fingerprints
 
     # A part whose vLLM sources are not the ones it was ported from leaves vLLM's code in place.
     stale = fingerprints.check(version)
@@ -236,7 +181,7 @@ def _install_hasher() -> None:
 
 
 def _install_manager() -> None:
-    from kvblocks.vllm import scheduler
+    import kvblocks.vllm.scheduler as scheduler
 
     scheduler.install()
 
@@ -282,5 +227,9 @@ def register() -> None:
     except Exception as error:  # never break vLLM's start-up
         _state.restore_all()
         _state.mode = "off"
-        key = _state.VERSION_LOG_KEY if unsupported_vllm(_vllm_version()) else repr(error)
-        _state.log_once(key, logging.WARNING, "kvblocks: left vLLM unchanged: %s", error)
+        key = (
+            _state.VERSION_LOG_KEY
+            if unsupported_vllm(versions.installed_vllm_version())
+            else repr(error)
+        )
+        _state.log_once(key, logging.WARNING, _state.UNCHANGED, error)

@@ -9,6 +9,9 @@ from collections import Counter
 from enum import StrEnum
 from typing import Any
 
+#: The environment variable the plugin entry point (``kvblocks.vllm.register``) reads.
+ENV_VAR = "KVBLOCKS_VLLM"
+
 _lock = threading.Lock()
 #: (id(target), attribute) -> (target, the vLLM object kvblocks replaced there, the part that
 #: replaced it).
@@ -199,6 +202,8 @@ def fall_back(part: str, reason: str, detail: str | None = None, *, quiet: bool 
 #: The :func:`log_once` key of the line saying the installed vLLM is not supported (the
 #: plugin and ``--scheduler-cls kvblocks.vllm.Scheduler`` say it once between them).
 VERSION_LOG_KEY = "vllm_version"
+#: The warning that says kvblocks stepped aside on this vLLM, with the reason.
+UNCHANGED = "kvblocks: left vLLM unchanged: %s"
 
 
 def log_once(key: str, level: int, message: str, *args: Any) -> None:

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import kvblocks.vllm._state as _state
+import kvblocks.vllm.fingerprints as fingerprints
 from kvblocks._core import BlockHasher
-from kvblocks.vllm import _state, fingerprints
 from kvblocks.vllm._state import Reason
 
 #: vLLM's hash functions (``vllm.utils.hashing``) by the kvblocks algorithm of the same name.

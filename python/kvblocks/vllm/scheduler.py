@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import kvblocks.vllm
-from kvblocks.vllm import _state, fingerprints
+import kvblocks.vllm._state as _state
+import kvblocks.vllm.fingerprints as fingerprints
+import kvblocks.vllm.versions as versions
 from kvblocks.vllm._state import Reason
 from kvblocks.vllm.support import Unsupported, connector_name, unsupported_config
 
@@ -44,7 +45,6 @@ except ImportError as _error:  # a vLLM without vLLM 0.33's scheduler modules
 else:
     _NO_VLLM_SCHEDULER = None
 
-_UNCHANGED = "kvblocks: left vLLM unchanged: %s"
 #: The part of kvblocks this module installs (the name ``status()`` reports it under).
 _PART = "kv_cache_manager"
 _building = threading.local()
@@ -70,11 +70,11 @@ def kv_cache_manager_factory(**kwargs: Any) -> Any:
     vllm_config = getattr(_building, "vllm_config", None)
     if vllm_config is None:
         return _vllm_manager_class()(**kwargs)
-    version = kvblocks.vllm._vllm_version()
-    not_supported = kvblocks.vllm.unsupported_vllm(version)
+    version = versions.installed_vllm_version()
+    not_supported = versions.unsupported_vllm(version)
     if not_supported is not None:  # a vLLM release kvblocks does not support
-        kvblocks.vllm.version_fallback(_PART, version or "unknown")
-        _state.log_once(_state.VERSION_LOG_KEY, logging.WARNING, _UNCHANGED, not_supported)
+        versions.version_fallback(_PART, version or "unknown")
+        _state.log_once(_state.VERSION_LOG_KEY, logging.WARNING, _state.UNCHANGED, not_supported)
         return _vllm_manager_class()(**kwargs)
     stale = fingerprints.check().get(_PART)
     if stale is not None:  # not the vLLM sources kvblocks' manager was ported from
@@ -163,7 +163,7 @@ def _vllm_scheduler_class(name: str) -> Any:
             raise ImportError(
                 f"kvblocks.vllm.{name} stands in for vLLM's {name}, which this vLLM does not "
                 f"have where vLLM 0.33 has it ({missing}); drop --scheduler-cls "
-                f"(the plugin, {kvblocks.vllm.ENV_VAR}=all, needs no scheduler class)"
+                f"(the plugin, {_state.ENV_VAR}=all, needs no scheduler class)"
             )
 
     return Missing

@@ -185,9 +185,9 @@ def check(version: str | None = None) -> dict[str, tuple[str, str]]:
     process; never raises (anything unexpected makes every part fall back, saying why)."""
     try:
         if version is None:
-            from kvblocks.vllm import _vllm_version
+            from kvblocks.vllm.versions import installed_vllm_version
 
-            version = _vllm_version() or "unknown"
+            version = installed_vllm_version() or "unknown"
         root = vllm_root()
         key = (str(root), version, str(DIRECTORY))
     except Exception as error:

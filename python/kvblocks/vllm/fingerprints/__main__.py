@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvblocks.vllm import fingerprints as fp
+import kvblocks.vllm.fingerprints as fp
 from kvblocks.vllm.fingerprints.ported import PORTED
 
 
