@@ -50,7 +50,8 @@ pytest.importorskip("vllm", reason='needs vllm (pip install ".[vllm]" in a kvblo
 import kvblocks.vllm
 from kvblocks.vllm import _state
 from kvblocks.vllm.bench import describe_layout, mamba_checkpoint_alignment_for, pool_blocks
-from kvblocks.vllm.bench_driver import (
+from kvblocks.vllm.bench.timing import IMPLEMENTATION_MODULES
+from tests.vllm_driver import (
     LAYOUTS,
     FakeModel,
     SchedulerSpec,
@@ -64,12 +65,11 @@ from kvblocks.vllm.bench_driver import (
     timed_run,
     tiny_model_dir,
 )
-from kvblocks.vllm.bench_driver.timing import IMPLEMENTATION_MODULES
 
 IMPLS = ["vllm", "kvblocks"]
 #: The decode-step case's third variant: :func:`allocate_slots_floor` on stock vLLM's scheduler.
 FLOOR = "floor"
-#: Fields of a step's snapshot (``bench_driver.snapshot``): scheduled drafts, connector stores
+#: Fields of a step's snapshot (``vllm_driver.snapshot``): scheduled drafts, connector stores
 #: (CPU offloading), connector fills (the decode-bench connector).
 DRAFTS, FILLS, STORES = 6, 9, 10
 SNAPSHOTS: dict[str, list[Any]] = {}

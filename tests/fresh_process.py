@@ -11,6 +11,8 @@ from pathlib import Path
 
 import kvblocks
 
+#: The repository checkout (``tests.vllm_driver`` imports from it; last on a child's path).
+CHECKOUT = str(Path(__file__).resolve().parents[1])
 #: A new user's environment has none of these; a child gets them only when asked.
 PLUGIN_SETTINGS = ("KVBLOCKS_VLLM", "VLLM_PLUGINS")
 
@@ -33,7 +35,8 @@ def _run(
     child = {k: v for k, v in os.environ.items() if k not in PLUGIN_SETTINGS}
     child.update(env or {})
     source = str(Path(kvblocks.__file__).resolve().parents[1])
-    child["PYTHONPATH"] = os.pathsep.join(p for p in (source, child.get("PYTHONPATH")) if p)
+    paths = (source, child.get("PYTHONPATH"), CHECKOUT)  # the checkout: the test driver
+    child["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return subprocess.run(
         [sys.executable, *argv],
         capture_output=True,

@@ -1,6 +1,6 @@
 """An independent hash oracle built only from hashlib, pickle, cbor2 and xxhash (never from
 kvblocks code): vLLM's ``hash_block_tokens`` and NONE_HASH as docs/semantics.md §1 states
-them, and the README's ``xxh3_128`` layout."""
+them, and the ``xxh3_128`` layout of docs/hash-contract.md."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _sized(b: bytes) -> bytes:
 
 
 def native_layout(parent: bytes, tokens: list[int], extra: Any) -> bytes:
-    """The README's xxh3_128 contract, written from the README table."""
+    """The xxh3_128 contract, written from the table in docs/hash-contract.md."""
     out = _sized(parent) + struct.pack("<Q", len(tokens))
     out += b"".join(struct.pack("<I", t) for t in tokens)
     if extra is None:

@@ -19,7 +19,7 @@ import pytest
 import kvblocks
 from kvblocks import cli
 from kvblocks.engine_bench import Comparison, Run, Spread, compare, round_orders
-from kvblocks.vllm.bench_logs import held_back, summary
+from kvblocks.vllm.bench.logs import held_back, summary
 from kvblocks.workloads import (
     DECODE_LENGTH,
     DECODE_PROMPT_LENGTH,

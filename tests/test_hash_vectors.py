@@ -164,8 +164,8 @@ def test_pickle_frames_of_huge_blocks(impl: ModuleType, algo: str) -> None:
 
 
 def test_native_layout_vectors() -> None:
-    """The README's xxh3_128 vectors (digests from the xxhash package over the documented
-    layout), so that the contract cannot drift unnoticed."""
+    """The xxh3_128 vectors of docs/hash-contract.md (digests from the xxhash package over
+    the documented layout), so that the contract cannot drift unnoticed."""
     none_hash = xxhash.xxh3_128_digest(b"kvblocks")
     assert none_hash.hex() == "0fde48fe3772fb5e4d95cd0861476920"
     salted_input = bytes.fromhex(

@@ -238,7 +238,7 @@ def test_bad_constructor_arguments(
 
 
 def test_sizes_by_keyword_or_by_position(impl: ModuleType) -> None:
-    # The README's first call, as vLLM and most Python APIs take sizes.
+    # The first call in docs/python-api.md, as vLLM and most Python APIs take sizes.
     by_keyword = impl.BlockManager(num_blocks=4096, block_size=16, enable_events=True)
     by_position = impl.BlockManager(4096, 16, enable_events=True)
     mixed = impl.BlockManager(4096, block_size=16)

@@ -115,7 +115,7 @@ def bench_hashing(args: argparse.Namespace) -> int:
         twin_cell = f"{twin_s * 1e3:8.2f}ms" if twin_s is not None else f"{'n/a':>10}"
         ratio = f"{twin_s / rust_s:8.1f}x" if twin_s is not None else f"{'':>9}"
         print(f"{workload:<36} {algo:<12} {rust_s * 1e3:8.3f}ms {twin_cell} {ratio}")
-    print("\nFull suite with statistics: pytest benches/ (see the README).")
+    print("\nFull suite with statistics: pytest benches/ (see docs/benchmarks.md).")
     return 0
 
 
@@ -141,7 +141,7 @@ def _clear_bar() -> None:
 _KVBLOCKS_ENGINE_ONLY = ("backend", "model", "device", "dtype", "threads", "warmup")
 #: The options only ``--engine vllm`` reads.
 _VLLM_ENGINE_ONLY = ("layout", "no_enable_prefix_caching")
-#: ``--layout``'s choices: the KV-cache layouts of ``kvblocks.vllm.bench_driver.LAYOUTS``
+#: ``--layout``'s choices: the KV-cache layouts of ``kvblocks.vllm.bench.config.LAYOUTS``
 #: (named here so that the parser needs no vLLM; the vLLM tier checks that they agree).
 VLLM_LAYOUTS = ("llama", "gpt-oss", "gemma3", "llama4", "mla", "qwen3.5", "jamba")
 
@@ -328,14 +328,15 @@ def bench_vllm(args: argparse.Namespace) -> int:
         num_blocks=VLLM_ENGINE_NUM_BLOCKS,
         max_num_batched_tokens=VLLM_ENGINE_MAX_NUM_BATCHED_TOKENS,
     )
-    from kvblocks.vllm import _vllm_version, status, unsupported_vllm
-    from kvblocks.vllm.bench_logs import held_back, summary
+    from kvblocks.vllm import status
+    from kvblocks.vllm.bench.logs import held_back, summary
     from kvblocks.vllm.block_hasher import ALGORITHMS
+    from kvblocks.vllm.versions import installed_vllm_version, unsupported_vllm
 
     if args.hash_algo not in ALGORITHMS:
         print(f"vLLM has no hash algorithm {args.hash_algo!r}", file=sys.stderr)
         return 2
-    version = _vllm_version()
+    version = installed_vllm_version()
     if version is not None and (refusal := unsupported_vllm(version)) is not None:
         # The driver builds vLLM's scheduler as the supported releases take it.
         print(f"--engine vllm: {refusal}", file=sys.stderr)
@@ -356,7 +357,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
                 pool_blocks,
                 prepare,
             )
-            from kvblocks.vllm.bench_driver import layout_groups
+            from kvblocks.vllm.bench.config import layout_groups
         except ModuleNotFoundError as e:
             print(vllm_missing_message(e), file=sys.stderr)
             return 2

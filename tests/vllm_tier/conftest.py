@@ -21,7 +21,7 @@ if os.environ.get("KVBLOCKS_REQUIRE_VLLM") != "1":
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import write_model_dir
+from tests.vllm_driver import write_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from vllm.v1.request import Request
 import kvblocks.vllm
 from kvblocks.vllm import _state
 from kvblocks.vllm.bench import mamba_checkpoint_alignment_for
-from kvblocks.vllm.bench_driver import (
+from tests.vllm_driver import (
     SchedulerSpec,
     block_hasher,
     drafter_for,

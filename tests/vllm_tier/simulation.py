@@ -1,7 +1,7 @@
 """The tier's scripted runs of vLLM's scheduler: either implementation in place
 (:func:`implementation`), and :func:`run`, which drives a scheduler through a script of
 arrivals, aborts, cache resets and actions and records everything each step decided and
-published. The schedulers, requests and fake model come from :mod:`kvblocks.vllm.bench_driver`.
+published. The schedulers, requests and fake model come from :mod:`tests.vllm_driver`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from vllm.v1.request import Request, RequestStatus
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import Drafter, FakeModel, drafter_for, snapshot
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
+from tests.vllm_driver import Drafter, FakeModel, drafter_for, snapshot
 
 #: The two sides of every comparison: stock vLLM, and vLLM with kvblocks installed.
 IMPLS = ("vllm", "kvblocks")
@@ -126,7 +126,7 @@ def run(
     pipeline-parallel batch queue), one output a step, as ``EngineCore`` does; a step
     schedules only when there are requests or nothing is in flight. With speculative
     decoding, the fake model verifies drafts and proposes new ones (``drafter``, by default
-    :func:`~kvblocks.vllm.bench_driver.drafter_for`'s); synchronously, ``EngineCore``'s
+    :func:`~tests.vllm_driver.drafter_for`'s); synchronously, ``EngineCore``'s
     ``post_step`` hands them to ``update_draft_token_ids`` after each step that ran the
     model (there is no batch queue with speculative decoding here). With ``catch``, an
     exception ends the run and is its last record, ``("raised", type name, message)``. With

@@ -18,10 +18,10 @@ import kvblocks
 
 CHILD = r"""
 import json, os, sys
-from kvblocks.vllm import bench_driver
+from kvblocks.vllm.bench import config as bench_config
 
 state = {"at_import": [os.environ.get("VLLM_TARGET_DEVICE"), "vllm.config" in sys.modules]}
-config = bench_driver.make_vllm_config(bench_driver.tiny_model_dir(), bench_driver.SchedulerSpec())
+config = bench_config.make_vllm_config(bench_config.tiny_model_dir(), bench_config.SchedulerSpec())
 from vllm.platforms import current_platform, interface
 
 state["built"] = [os.environ.get("VLLM_TARGET_DEVICE"), current_platform.is_cpu()]
@@ -30,9 +30,9 @@ state["block_size"] = config.cache_config.block_size
 # vLLM imported earlier without a device: the driver says what to do instead of building.
 import vllm.platforms
 vllm.platforms.current_platform = interface.UnspecifiedPlatform()
-bench_driver.select_cpu_platform.cache_clear()
+bench_config.select_cpu_platform.cache_clear()
 try:
-    bench_driver.select_cpu_platform()
+    bench_config.select_cpu_platform()
 except RuntimeError as error:
     state["unspecified"] = str(error)
 print(json.dumps(state))
@@ -59,7 +59,8 @@ def test_a_timed_run_freezes_the_start_up_heap_as_engine_core_does(
 ) -> None:
     """vLLM's EngineCore freezes the heap its start-up built for the garbage collector and
     unfreezes it at shutdown: a timed run does the same around each scheduler it drives."""
-    from kvblocks.vllm.bench_driver import SchedulerSpec, Workload, timing
+    from kvblocks.vllm.bench import timing
+    from tests.vllm_driver import SchedulerSpec, Workload
 
     frozen_during: list[int] = []
     drive = timing._drive
@@ -82,8 +83,8 @@ def test_a_pool_that_cannot_hold_one_request_stops_the_run() -> None:
     """A layout whose pool cannot hold one request and that the command line's arithmetic
     does not cover (no full-attention group): vLLM's scheduler admits nothing, and the run
     stops with an error after STALLED_STEPS steps instead of looping forever."""
-    from kvblocks.vllm.bench_driver import SchedulerSpec, Workload, timed_run, tiny_model_dir
-    from kvblocks.vllm.bench_driver.timing import STALLED_STEPS
+    from kvblocks.vllm.bench.timing import STALLED_STEPS
+    from tests.vllm_driver import SchedulerSpec, Workload, timed_run, tiny_model_dir
 
     spec = SchedulerSpec(block_size=16, num_blocks=3, layout=[("sliding_window", 64)])
     workload = Workload(num_requests=2, prompt_len=200, shared_len=100, output_len=2)

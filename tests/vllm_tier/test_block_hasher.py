@@ -30,8 +30,8 @@ from vllm.v1.request import Request
 import kvblocks.vllm
 from kvblocks.vllm import _state
 from kvblocks.vllm import block_hasher as block_hasher_module
-from kvblocks.vllm.bench_driver import make_request
 from kvblocks.vllm.block_hasher import ALGORITHMS
+from tests.vllm_driver import make_request
 
 Hasher = Callable[[Request], list[bytes]]
 

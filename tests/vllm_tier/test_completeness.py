@@ -21,15 +21,15 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import kvblocks.vllm
 from kvblocks.vllm import _state, scheduler
-from kvblocks.vllm.bench_driver import (
+from kvblocks.vllm.kv_cache_manager import KVCacheManager
+from kvblocks.vllm.kv_cache_manager import _BlockPool as BlockPoolFacade
+from kvblocks.vllm.support import UNREACHABLE
+from tests.vllm_driver import (
     MAX_MODEL_LEN,
     SchedulerSpec,
     make_kv_cache_config,
     make_vllm_config,
 )
-from kvblocks.vllm.kv_cache_manager import KVCacheManager
-from kvblocks.vllm.kv_cache_manager import _BlockPool as BlockPoolFacade
-from kvblocks.vllm.support import UNREACHABLE
 
 VLLM = Path(inspect.getfile(Scheduler)).parents[3]
 #: vLLM's manager and what it builds: their reads of one another are not calls into kvblocks.

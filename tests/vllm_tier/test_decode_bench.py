@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvblocks.vllm.bench_driver import SchedulerSpec
+from tests.vllm_driver import SchedulerSpec
 from tests.vllm_tier.harness import (
     CONNECTOR_LAYOUTS,
     Script,
@@ -26,7 +26,7 @@ from tests.vllm_tier.harness import (
     shared_prefix_script,
 )
 
-#: Fields of a step's record (``bench_driver.snapshot``): preempted requests, the fills.
+#: Fields of a step's record (``vllm_driver.snapshot``): preempted requests, the fills.
 PREEMPTED, FILLS = 5, 9
 LAYOUTS = CONNECTOR_LAYOUTS
 

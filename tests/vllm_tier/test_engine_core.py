@@ -20,7 +20,7 @@ layout with prefix caching (its Mamba states offloaded too); ``llama-nixl`` and
 ``llama-nixl-push`` add NIXL's connector in pull and push mode (one engine in both roles: a
 third of the requests are a prefill node's, a third a decode node's whose prompt KV a fake
 remote node provides), the worker side faked by the bench driver's
-(``kvblocks.vllm.bench_driver.nixl``).
+(``tests.vllm_driver.nixl``).
 
 With speculative decoding (``KVBLOCKS_TEST_SPECULATION``: ``ngram``, or ``eagle`` with a tiny
 offline draft config and vLLM's default lookahead block hashes) the fake executor does what
@@ -70,7 +70,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
-from kvblocks.vllm.bench_driver import (
+from tests.fresh_process import CHECKOUT
+from tests.vllm_driver import (
     VOCAB_SIZE,
     Drafter,
     Speculation,
@@ -78,7 +79,7 @@ from kvblocks.vllm.bench_driver import (
     sampled_token,
     write_model_dir,
 )
-from kvblocks.vllm.bench_driver.speculative import speculative_config
+from tests.vllm_driver.speculative import speculative_config
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # small enough that the workload below preempts
@@ -324,7 +325,7 @@ def connector_jobs(out: SchedulerOutput) -> Any:
     store and flush jobs, or NIXL's transfers, hand-overs and registrations."""
     if out.kv_connector_metadata is None:
         return None
-    from kvblocks.vllm.bench_driver.fake_model import connector_decisions
+    from tests.vllm_driver.connectors import connector_decisions
 
     return json.loads(json.dumps(connector_decisions(out), default=lambda v: v.hex()))
 
@@ -353,7 +354,7 @@ def nixl_role(request_id: str) -> int:
 
 def nixl_params(request_id: str, prompt: list[int]) -> dict[str, Any] | None:
     """NIXL's kv_transfer_params of a request in the NIXL runs (:func:`nixl_role`)."""
-    from kvblocks.vllm.bench_driver import nixl
+    from tests.vllm_driver import nixl
 
     role = nixl_role(request_id)
     if role == 0:
@@ -406,12 +407,12 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     transfer = None
     if layout in OFFLOADING:
         # --kv-offloading-size, with the driver's spec (vLLM's CPU tier, a fake worker side).
-        from kvblocks.vllm.bench_driver.offloading import SPEC_MODULE, SPEC_NAME
+        from tests.vllm_driver.offloading import SPEC_MODULE, SPEC_NAME
 
         extra = {"spec_name": SPEC_NAME, "spec_module_path": SPEC_MODULE}
         transfer = KVTransferConfig(kv_connector_extra_config=extra)
     elif layout in NIXL:
-        from kvblocks.vllm.bench_driver import nixl
+        from tests.vllm_driver import nixl
 
         transfer = nixl.kv_transfer_config(NIXL[layout])
     vllm_config = VllmConfig(
@@ -446,11 +447,11 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     scheduler = engine.scheduler
     assert isinstance(scheduler, Scheduler)
     if layout in NIXL:
-        from kvblocks.vllm.bench_driver.nixl import FakeNixlWorker
+        from tests.vllm_driver.nixl import FakeNixlWorker
 
         executor.connector_worker = FakeNixlWorker()
     elif transfer is not None:
-        from kvblocks.vllm.bench_driver.offloading import ConnectorWorker
+        from tests.vllm_driver.offloading import ConnectorWorker
 
         executor.connector_worker = ConnectorWorker(scheduler)
     input_processor = InputProcessor(vllm_config)
@@ -565,6 +566,8 @@ def run_engine(
         KVBLOCKS_TEST_LAYOUT=layout,
         KVBLOCKS_TEST_SPECULATION=speculation,
         VLLM_NIXL_SIDE_CHANNEL_PORT=NIXL_PORTS[mode],
+        # The checkout, for the test driver (tests.vllm_driver).
+        PYTHONPATH=os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH")) if p),
     )
     model_dir = tmp_path / mode
     model_dir.mkdir()

@@ -30,7 +30,8 @@ from vllm.v1.kv_cache_interface import (
 
 import kvblocks.vllm
 from kvblocks.vllm import _state, kv_cache_manager, scheduler
-from kvblocks.vllm.bench_driver import (
+from kvblocks.vllm.kv_cache_manager import KVCacheManager
+from tests.vllm_driver import (
     MAX_MODEL_LEN,
     SchedulerSpec,
     block_hasher,
@@ -39,7 +40,6 @@ from kvblocks.vllm.bench_driver import (
     make_scheduler,
     make_vllm_config,
 )
-from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from tests.vllm_tier.simulation import run
 
 

@@ -14,8 +14,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import SchedulerSpec, make_request
 from kvblocks.vllm.block_hasher import ALGORITHMS
+from tests.vllm_driver import SchedulerSpec, make_request
 from tests.vllm_tier.harness import (
     Hasher,
     RequestSpec,

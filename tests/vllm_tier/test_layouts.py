@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvblocks.vllm.bench_driver import SchedulerSpec, layout_groups
+from tests.vllm_driver import SchedulerSpec, layout_groups
 from tests.vllm_tier.harness import (
     RequestSpec,
     Script,

@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import SchedulerSpec, Speculation, make_scheduler
+from tests.vllm_driver import SchedulerSpec, Speculation, make_scheduler
 from tests.vllm_tier.harness import (
     RequestSpec,
     Script,
@@ -44,7 +44,7 @@ LAYOUTS: dict[str, list[tuple[str, int]]] = {
     "mamba only": [("mamba", 0)],
 }
 MAX_MODEL_LEN = 512
-#: Fields of a step's ``SchedulerOutput`` record (``bench_driver.snapshot``).
+#: Fields of a step's ``SchedulerOutput`` record (``vllm_driver.snapshot``).
 PREEMPTED, DRAFTS, ZERO = 5, 6, 7
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvblocks.vllm.bench_driver import SchedulerSpec
+from tests.vllm_driver import SchedulerSpec
 from tests.vllm_tier.harness import (
     CONNECTOR_LAYOUTS,
     Script,
@@ -31,7 +31,7 @@ from tests.vllm_tier.harness import (
     served_scheduler,
 )
 
-#: Fields of a step's record (``bench_driver.snapshot``): preempted requests, then the
+#: Fields of a step's record (``vllm_driver.snapshot``): preempted requests, then the
 #: connector's transfers into decode requests, hand-overs and dropped transfers.
 PREEMPTED, RECV, SEND, DROPPED = 5, 9, 10, 11
 LAYOUTS = CONNECTOR_LAYOUTS

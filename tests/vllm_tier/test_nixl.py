@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 import kvblocks.vllm
-from kvblocks.vllm.bench_driver import SchedulerSpec, Speculation, make_scheduler, nixl
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
+from tests.vllm_driver import SchedulerSpec, Speculation, make_scheduler, nixl
 from tests.vllm_tier.harness import (
     CONNECTOR_LAYOUTS,
     RequestSpec,
@@ -38,7 +38,7 @@ from tests.vllm_tier.harness import (
     served_scheduler,
 )
 
-#: Fields of a step's ``SchedulerOutput`` record (``bench_driver.snapshot``): the connector's
+#: Fields of a step's ``SchedulerOutput`` record (``vllm_driver.snapshot``): the connector's
 #: reads, hand-overs, and requests in the batch / not to be sent.
 PREEMPTED, RECV, SEND, OTHER = 5, 9, 10, 11
 #: NIXL's transfer modes (``SchedulerSpec.nixl_transfer_mode``).

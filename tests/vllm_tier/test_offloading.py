@@ -1,6 +1,6 @@
 """vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``):
 vLLM's scheduler with the connector on vLLM's own KV-cache manager against the same on
-kvblocks', step by step (the driver: ``kvblocks.vllm.bench_driver.offloading``, vLLM's real
+kvblocks', step by step (the driver: ``tests.vllm_driver.offloading``, vLLM's real
 CPU tier with a worker side that completes every transfer). Every ``SchedulerOutput`` with
 the connector's load, store and flush jobs, request output, statistic, usage figure, KV-event
 batch (GPU and CPU) and block table must be identical, and kvblocks' manager must have run
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvblocks.vllm.bench import mamba_checkpoint_alignment_for
-from kvblocks.vllm.bench_driver import SchedulerSpec
+from tests.vllm_driver import SchedulerSpec
 from tests.vllm_tier.harness import (
     RequestSpec,
     Script,

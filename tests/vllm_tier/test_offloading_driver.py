@@ -17,7 +17,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.request import Request, RequestStatus
 
-from kvblocks.vllm.bench_driver import (
+from tests.vllm_driver import (
     SchedulerSpec,
     Workload,
     block_hasher,
@@ -25,7 +25,7 @@ from kvblocks.vllm.bench_driver import (
     make_scheduler,
     timed_run,
 )
-from kvblocks.vllm.bench_driver.offloading import KeyedCPUOffloadingManager, chunk_bytes
+from tests.vllm_driver.offloading import KeyedCPUOffloadingManager, chunk_bytes
 from tests.vllm_tier.harness import play, soak_script
 from tests.vllm_tier.simulation import run
 

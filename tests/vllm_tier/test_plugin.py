@@ -17,7 +17,7 @@ from vllm.v1.core.sched import scheduler as scheduler_module
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import LAYOUTS, VOCAB_SIZE, SchedulerSpec, block_hasher
+from tests.vllm_driver import LAYOUTS, VOCAB_SIZE, SchedulerSpec, block_hasher
 from tests.vllm_tier.harness import (
     HASHER_MODULES,
     assert_same,
@@ -74,7 +74,7 @@ def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unsupported_vllm_version_changes_nothing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(kvblocks.vllm, "_vllm_version", lambda: "0.34.1")
+    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.34.1")
     monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
     with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
         kvblocks.vllm.register()
@@ -104,10 +104,10 @@ def test_scheduler_cls_on_an_unsupported_vllm_builds_vllms_manager(
 ) -> None:
     """``--scheduler-cls kvblocks.vllm.Scheduler`` with the plugin off, on a vLLM release
     kvblocks does not support: vLLM's manager, the refusal recorded, one warning."""
-    from kvblocks.vllm.bench_driver import make_scheduler
+    from tests.vllm_driver import make_scheduler
 
     kvblocks.vllm.uninstall()
-    monkeypatch.setattr(kvblocks.vllm, "_vllm_version", lambda: "0.34.1")
+    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.34.1")
     spec = SchedulerSpec(block_size=16, num_blocks=64)
     with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
         for cls in (kvblocks.vllm.Scheduler, kvblocks.vllm.AsyncScheduler):

@@ -41,7 +41,7 @@ from vllm.v1.core import kv_cache_utils
 import json, sys
 from importlib.metadata import version
 from kvblocks.vllm import AsyncScheduler, Scheduler
-from kvblocks.vllm.bench_driver import SchedulerSpec, make_scheduler, tiny_model_dir
+from tests.vllm_driver import SchedulerSpec, make_scheduler, tiny_model_dir
 
 managers = []
 for cls in (Scheduler, AsyncScheduler):

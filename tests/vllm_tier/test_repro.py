@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import SchedulerSpec
-from kvblocks.vllm.bench_driver.speculative import Speculation
+from tests.vllm_driver import SchedulerSpec
+from tests.vllm_driver.speculative import Speculation
 from tests.vllm_tier.harness import RequestSpec, Script, on_each_manager, play
 
 DATA = Path(__file__).parent / "data"

@@ -24,8 +24,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import SchedulerSpec, make_request, sampled_token
 from kvblocks.vllm.block_hasher import ALGORITHMS
+from tests.vllm_driver import SchedulerSpec, make_request, sampled_token
 from tests.vllm_tier.harness import assert_same, events_spec, on_each_manager
 from tests.vllm_tier.simulation import run
 

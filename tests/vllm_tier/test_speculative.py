@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram, suffix, EAGLE, EAGLE-3, MTP): vLLM's scheduler on vLLM's
 KV-cache manager against the same scheduler on kvblocks', step by step (the harness:
-``harness.py``; the drafts: ``kvblocks.vllm.bench_driver.drafts``).
+``harness.py``; the drafts: ``tests.vllm_driver.drafts``).
 
 Every step's record holds the ``SchedulerOutput`` with its scheduled draft tokens, the
 request outputs (accepted drafts plus the bonus token), the prefix-cache and
@@ -24,13 +24,13 @@ from hypothesis import strategies as st
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import (
+from kvblocks.vllm.block_hasher import ALGORITHMS
+from tests.vllm_driver import (
     SchedulerSpec,
     Speculation,
     make_vllm_config,
     sampled_token,
 )
-from kvblocks.vllm.block_hasher import ALGORITHMS
 from tests.vllm_tier.harness import (
     Hasher,
     RequestSpec,

@@ -17,7 +17,7 @@ option it does not know included, falls back to vLLM's own manager:
   caching on or off);
 - speculative decoding by n-gram, suffix, EAGLE, EAGLE-3 or MTP (the EAGLE block drop,
   lookahead slots, prefill lookahead, lookahead hashing);
-- vLLM's retention interval (passed to ``KVCacheCore`` with prefix caching) where vLLM's own
+- vLLM's retention interval (passed to ``_core.KVCacheManager`` with caching on) where vLLM's own
   coordinator accepts it (its check decides; a refused one is ``vllm_rejects``);
 - vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``),
   NIXL's connector in pull or push mode and Mooncake's (disaggregated prefill) and the

@@ -3,21 +3,20 @@ step decided as plain values.
 
 The fake model samples one token for each request whose prefill is done: a fixed function of
 the request id and the position (:func:`sampled_token`), so two runs that schedule alike
-produce alike. With a drafter (:class:`~kvblocks.vllm.bench_driver.drafts.Drafter`,
-speculative decoding) it also verifies the step's drafts: it returns the accepted ones and
-the token after them. Where the scheduler has a KV connector (vLLM's CPU offloading:
-:mod:`~kvblocks.vllm.bench_driver.offloading`), it also runs the connector's worker side and
-returns what it reported.
+produce alike. With a drafter (:class:`Drafter`, speculative decoding) it also verifies the
+step's drafts: it returns the accepted ones and the token after them. Where the scheduler has
+a KV connector, it also runs the connector's worker side (a :class:`WorkerSide` the caller
+fakes) and returns what it reported. The benchmark uses neither; the repository's test driver
+(``tests/vllm_driver``) brings both.
 """
 
 from __future__ import annotations
 
-import importlib
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvblocks.vllm.bench_driver.config import VOCAB_SIZE, select_cpu_platform
+from kvblocks.vllm.bench.platform import VOCAB_SIZE, select_cpu_platform
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -25,13 +24,31 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
 
-    from kvblocks.vllm.bench_driver.drafts import Drafter
-
 
 class WorkerSide(Protocol):
     """A KV connector's faked worker side: what it reports for one scheduler step."""
 
     def step(self, out: SchedulerOutput) -> KVConnectorOutput: ...
+
+
+class Drafter(Protocol):
+    """A speculative-decoding drafter as the fake model steps it."""
+
+    def to_verify(self, request_id: str, scheduled: list[int]) -> list[int]:
+        """The drafts of ``request_id`` the step verifies (``scheduled``: what the scheduler
+        scheduled of them)."""
+        ...
+
+    def propose(self, batch: dict[str, int | None]) -> None:
+        """Proposes the next drafts: ``batch`` maps each request of the step to how many
+        tokens it has sampled so far, or None where it sampled nothing this step."""
+        ...
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None: ...
+
+
+#: A step's KV connector decisions as plain values (three, or three per child connector).
+Decisions = Callable[["SchedulerOutput"], tuple[Any, ...]]
 
 
 def block_hasher(
@@ -81,21 +98,33 @@ class FakeModel:
     scheduling; with a ``drafter``, also the drafts it accepts, and then proposes the next
     ones.
 
-    Where the scheduler has a KV connector, :attr:`connector_worker` (built at the first
-    step, for that scheduler) is its worker side, stepped as vLLM's model runner steps it:
-    the output carries its ``kv_connector_output``. A request whose KV is still loading is
-    not scheduled, so it samples nothing."""
+    Where the scheduler has a KV connector, ``worker_side(scheduler)`` (called at the first
+    step) builds its worker side, stepped as vLLM's model runner steps it: the output carries
+    its ``kv_connector_output``; ``decisions`` reads what the connector decided in a step, for
+    :meth:`snapshot`. A scheduler with a connector and no ``worker_side`` is refused. A
+    request whose KV is still loading is not scheduled, so it samples nothing."""
 
-    def __init__(self, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Drafter | None = None,
+        *,
+        worker_side: Callable[[Scheduler], WorkerSide] | None = None,
+        decisions: Decisions | None = None,
+    ) -> None:
         self._num_sampled: dict[str, int] = {}
         self.drafter = drafter
         self.connector_worker: WorkerSide | None = None
+        self._worker_side = worker_side
+        self._decisions = decisions
 
     def execute(self, scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         kv_connector_output = None
         if scheduler.connector is not None:
             if self.connector_worker is None:
-                self.connector_worker = connector_worker(scheduler)
+                if self._worker_side is None:
+                    name = type(scheduler.connector).__name__
+                    raise ValueError(f"the fake model has no worker side for the {name}")
+                self.connector_worker = self._worker_side(scheduler)
             kv_connector_output = self.connector_worker.step(out)
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
@@ -128,46 +157,9 @@ class FakeModel:
         ``take_draft_token_ids``): none without a drafter or under async scheduling."""
         return None if self.drafter is None else self.drafter.take_draft_token_ids()
 
-
-#: The driver module faking each KV connector (its worker side, ``fake_worker``, and the
-#: reading of a step's decisions, ``connector_decisions``), by the class name of vLLM's
-#: connector and of its metadata.
-_FAKES = {
-    "OffloadingConnector": "offloading",
-    "OffloadingConnectorMetadata": "offloading",
-    "NixlPullConnector": "nixl",  # also vLLM's NixlConnector
-    "NixlPushConnector": "nixl",
-    "NixlConnectorMetadata": "nixl",
-    "MooncakeConnector": "mooncake",
-    "MooncakeConnectorMetadata": "mooncake",
-    "DecodeBenchConnector": "decode_bench",
-    "DecodeBenchConnectorMetadata": "decode_bench",
-    "MultiConnector": "multi",
-    "MultiKVConnectorMetadata": "multi",
-}
-
-
-def _fake(connector_or_metadata: Any) -> Any:
-    name = type(connector_or_metadata).__name__
-    if name not in _FAKES:
-        raise ValueError(f"the driver fakes no worker side for {name}")
-    return importlib.import_module(f"kvblocks.vllm.bench_driver.{_FAKES[name]}")
-
-
-def connector_worker(scheduler: Scheduler, connector: Any = None) -> WorkerSide:
-    """The worker side the driver fakes for the scheduler's KV connector (or for
-    ``connector``, a MultiConnector's child): the OffloadingConnector's, NIXL's, Mooncake's,
-    the DecodeBenchConnector's or a MultiConnector's; any other connector is refused."""
-    connector = scheduler.connector if connector is None else connector
-    worker: WorkerSide = _fake(connector).fake_worker(scheduler, connector)
-    return worker
-
-
-def connector_decisions(out: SchedulerOutput) -> tuple[Any, ...]:
-    """What the step's KV connector metadata decided, as plain values (each fake module's
-    ``connector_decisions``)."""
-    decisions: tuple[Any, ...] = _fake(out.kv_connector_metadata).connector_decisions(out)
-    return decisions
+    def snapshot(self, out: SchedulerOutput) -> tuple[Any, ...]:
+        """:func:`snapshot` of a step, its KV connector's decisions read by ``decisions``."""
+        return snapshot(out, self._decisions)
 
 
 def model_output(
@@ -191,15 +183,19 @@ def model_output(
     )
 
 
-def snapshot(out: SchedulerOutput) -> tuple[Any, ...]:
+def snapshot(out: SchedulerOutput, decisions: Decisions | None = None) -> tuple[Any, ...]:
     """Everything a scheduler step decides, as plain comparable values; the last three, what
-    its KV connector decided (:func:`connector_decisions`; e.g. CPU offloading's load jobs,
-    store jobs and the job ids it flushes; empty without a connector), or for a
-    MultiConnector, three per child (NIXL's, then offloading's)."""
+    its KV connector decided, read by ``decisions`` (e.g. CPU offloading's load jobs, store
+    jobs and the job ids it flushes; empty without a connector), or for a MultiConnector,
+    three per child (NIXL's, then offloading's). A step with connector metadata and no
+    ``decisions`` is refused."""
     cached = out.scheduled_cached_reqs
     connector: tuple[Any, ...] = ([], [], [])
     if out.kv_connector_metadata is not None:
-        connector = connector_decisions(out)
+        if decisions is None:
+            name = type(out.kv_connector_metadata).__name__
+            raise ValueError(f"no reading of the KV connector's decisions ({name})")
+        connector = decisions(out)
     return (
         sorted(out.num_scheduled_tokens.items()),
         [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs],

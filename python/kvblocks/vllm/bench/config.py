@@ -1,16 +1,17 @@
-"""vLLM's configuration for the driver: the CPU platform, a tiny model, and the scheduler.
+"""vLLM's configuration for the benchmark: the CPU platform, a tiny model, and the scheduler.
 
-Every vLLM configuration the driver (and the vLLM test tier) builds comes from here:
 :class:`SchedulerSpec` names the knobs, :func:`make_vllm_config` turns it into a
 ``VllmConfig``, :func:`make_kv_cache_config` into the KV-cache layout, and
-:func:`make_scheduler` into vLLM's own scheduler over both. Speculative decoding
-(:class:`~kvblocks.vllm.bench_driver.speculative.Speculation`) is vLLM's own
-``SpeculativeConfig``, built in :mod:`~kvblocks.vllm.bench_driver.speculative`.
+:func:`make_scheduler` into vLLM's own scheduler over both. This is what
+``kvblocks bench --engine vllm`` needs and no more: no KV connector, no speculative decoding.
+A subclass of :class:`SchedulerSpec` adds those by overriding its hook methods (the
+repository's test driver, ``tests/vllm_driver``, does, with fake worker sides of vLLM's
+connectors and a fake drafter; they are test doubles and do not ship).
 
 vLLM picks its platform once, from ``VLLM_TARGET_DEVICE``, when ``vllm.config`` is first
-imported. The driver wants the CPU platform (it runs only the scheduler, which never touches a
-device, and the PyPI wheel is a CUDA build: without a GPU vLLM finds no platform and a
-``VllmConfig`` cannot infer a device), so nothing here imports vLLM at module level: each
+imported. The benchmark wants the CPU platform (it runs only the scheduler, which never
+touches a device, and the PyPI wheel is a CUDA build: without a GPU vLLM finds no platform and
+a ``VllmConfig`` cannot infer a device), so nothing here imports vLLM at module level: each
 function first calls :func:`select_cpu_platform`, which sets ``VLLM_TARGET_DEVICE=cpu`` unless
 the caller has set it.
 """
@@ -20,27 +21,19 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvblocks.vllm.bench_driver.speculative import (
-    Speculation,
-    mark_draft_groups,
-    speculative_config,
-)
+from kvblocks.vllm.bench.fake_model import FakeModel
+from kvblocks.vllm.bench.platform import MAX_MODEL_LEN, VOCAB_SIZE, select_cpu_platform
 
 if TYPE_CHECKING:
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-VOCAB_SIZE = 32000
-MAX_MODEL_LEN = 8192
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 _TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -55,57 +48,6 @@ _TINY_LLAMA = {
     "rms_norm_eps": 1e-5,
     "torch_dtype": "float32",
 }
-
-
-@functools.cache
-def select_cpu_platform() -> None:
-    """Sets ``VLLM_TARGET_DEVICE=cpu`` for this process unless it is set already, before the
-    driver's first import of vLLM (see the module's docstring). Raises RuntimeError where
-    vLLM was imported earlier and found no platform: then no ``VllmConfig`` can be built, and
-    the fix is to set ``VLLM_TARGET_DEVICE=cpu`` before anything imports vLLM."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from vllm.platforms import current_platform
-
-    if current_platform.is_unspecified():  # not cached: a later call checks again
-        raise RuntimeError(
-            "vLLM was imported before VLLM_TARGET_DEVICE=cpu was set and found no device; "
-            "set VLLM_TARGET_DEVICE=cpu before anything imports vllm"
-        )
-
-
-@contextmanager
-def _scheduler_only_cpu_platform() -> Iterator[None]:
-    """TEST AND BENCHMARK ONLY: while the driver's ``VllmConfig`` is built, vLLM 0.34's CPU
-    platform check is told Triton is there, so that it does not refuse x86 without Triton
-    ("vLLM on x86 CPUs requires Triton (triton-cpu)"; PyPI has no triton-cpu, and PyPI's
-    triton finds no active driver without a GPU). Its model runner needs Triton's CPU backend;
-    the driver runs no model runner (vLLM's scheduler and a fake model). Only the platform's
-    check sees the flag, and only while it runs: a module vLLM imports meanwhile reads the
-    real value. kvblocks itself never sets it (a user's vLLM is left as vLLM decides)."""
-    try:
-        import vllm.triton_utils
-        from vllm.platforms.cpu import CpuPlatform
-    except ImportError:  # a vLLM without them has no such check
-        yield
-        return
-    check = CpuPlatform.__dict__.get("check_and_update_config")
-    if not isinstance(check, classmethod):
-        yield
-        return
-
-    def told_triton_is_there(cls: Any, vllm_config: Any) -> None:
-        has_triton = vllm.triton_utils.HAS_TRITON
-        vllm.triton_utils.HAS_TRITON = True
-        try:
-            check.__func__(cls, vllm_config)
-        finally:
-            vllm.triton_utils.HAS_TRITON = has_triton
-
-    CpuPlatform.check_and_update_config = classmethod(told_triton_is_there)
-    try:
-        yield
-    finally:
-        CpuPlatform.check_and_update_config = check
 
 
 def write_model_dir(path: Path) -> Path:
@@ -135,10 +77,10 @@ def model_config(model_dir: Path) -> ModelConfig:
     )
 
 
-#: The KV-cache layouts the driver builds, by the model family they stand for: each a list
+#: The KV-cache layouts the benchmark builds, by the model family they stand for: each a list
 #: of groups ``(kind, size)`` with kind ``full``, ``mla``, ``sliding_window`` (size: the
 #: window), ``chunked_local`` (size: the attention chunk) or ``mamba`` (size: the Mamba block
-#: size; 0 for vLLM's default). The sizes are the families'; the driver's tests also build
+#: size; 0 for vLLM's default). The sizes are the families'; the tests also build
 #: small ones (:func:`layout_groups`).
 LAYOUTS: dict[str, list[tuple[str, int]]] = {
     # Llama 3, Qwen 2.5/3 dense, Mistral 7B without a window: one full-attention group.
@@ -161,7 +103,11 @@ LAYOUTS: dict[str, list[tuple[str, int]]] = {
 
 @dataclass
 class SchedulerSpec:
-    """The knobs the tests turn; everything else is vLLM's default."""
+    """The knobs the benchmark (and the tests) turn; everything else is vLLM's default.
+
+    The hook methods below add nothing here; a subclass overrides them to add a KV connector
+    or speculative decoding (each says where :func:`make_vllm_config`,
+    :func:`make_kv_cache_config` and :func:`~kvblocks.vllm.bench.timing.timed_run` call it)."""
 
     block_size: int = 16
     num_blocks: int = 512
@@ -178,82 +124,46 @@ class SchedulerSpec:
     watermark: float = 0.0
     kv_events: bool = False
     max_model_len: int = MAX_MODEL_LEN
-    #: Speculative decoding (vLLM's ``SpeculativeConfig`` for it), or none.
-    speculative: Speculation | None = None
     #: More ``SchedulerConfig`` fields (``policy``, ``long_prefill_token_threshold``, ...).
     scheduler: dict[str, Any] = field(default_factory=dict)
     #: More ``VllmConfig`` fields.
     extra: dict[str, Any] = field(default_factory=dict)
-    #: vLLM's native CPU offloading (the ``OffloadingConnector`` as ``--kv-offloading-size``
-    #: sets it up, :mod:`~kvblocks.vllm.bench_driver.offloading`): the CPU tier's size in
-    #: chunks, each ``blocks_per_chunk`` GPU blocks (1 unless ``kv_offloading_config`` says
-    #: otherwise); 0 turns it off. Requests need block hashes even without prefix caching
-    #: (``EngineCore`` hashes them for a KV connector too).
-    kv_offloading: int = 0
-    #: More ``kv_connector_extra_config`` for offloading (``eviction_policy``,
-    #: ``offload_prompt_only``, ``blocks_per_chunk``, ``self_describing_kv_events``, ...).
-    kv_offloading_config: dict[str, Any] = field(default_factory=dict)
     #: Mamba groups' ``prefill_checkpoint_alignment`` where their layers export prefill
     #: checkpoints (vLLM gives the spec one checkpoint block then): Qwen3.5's gated delta-net
     #: uses the Mamba block size, Mamba2 layers 1. ``None``: no checkpoints (Mamba1).
     mamba_checkpoint_alignment: int | None = None
-    #: vLLM's ``NixlConnector`` in both roles (disaggregated prefill and decode,
-    #: :mod:`~kvblocks.vllm.bench_driver.nixl`); requests say which role theirs is. With
-    #: ``kv_offloading`` too, vLLM's ``MultiConnector`` runs both
-    #: (:mod:`~kvblocks.vllm.bench_driver.multi`).
-    nixl: bool = False
-    #: NIXL's transfer mode: "pull" (the decode node reads, ``NixlConnector``) or "push" (the
-    #: prefill node writes, ``NixlPushConnector``).
-    nixl_transfer_mode: str = "pull"
-    #: NIXL alone: every how many completed loads the fake worker side fails one (0: none),
-    #: and vLLM's ``kv_load_failure_policy`` then ("fail", vLLM's default, or "recompute").
-    nixl_failed_loads: int = 0
-    kv_load_failure_policy: str = "fail"
-    #: vLLM's ``MooncakeConnector`` in both roles (disaggregated prefill and decode,
-    #: :mod:`~kvblocks.vllm.bench_driver.mooncake`); requests say which role theirs is.
-    mooncake: bool = False
-    #: vLLM's ``DecodeBenchConnector`` (:mod:`~kvblocks.vllm.bench_driver.decode_bench`): every
-    #: prompt but its last token arrives as filled KV; "startup" with vLLM's ``startup_fill``.
-    decode_bench: str = ""
 
     @property
     def has_kv_connector(self) -> bool:
         """Whether the configuration sets a KV connector (then ``EngineCore`` hashes every
         request's blocks, prefix caching or not)."""
-        return bool(self.kv_offloading or self.nixl or self.decode_bench or self.mooncake)
+        return False
 
-    def __post_init__(self) -> None:
-        if self.kv_offloading < 0:
-            raise ValueError(f"kv_offloading must be >= 0 chunks, not {self.kv_offloading}")
-        if self.decode_bench not in ("", "per request", "startup"):
-            raise ValueError(
-                f"decode_bench is '', 'per request' or 'startup', not {self.decode_bench!r}"
-            )
-        alone = [bool(self.decode_bench), self.mooncake, bool(self.nixl or self.kv_offloading)]
-        if sum(alone) > 1:
-            raise ValueError(
-                "one KV connector at a time (NIXL with CPU offloading is one, vLLM's "
-                "MultiConnector): decode_bench, mooncake, or nixl / kv_offloading"
-            )
-        if self.nixl_transfer_mode not in ("pull", "push"):
-            raise ValueError(
-                f"nixl_transfer_mode is 'pull' or 'push', not {self.nixl_transfer_mode!r}"
-            )
-        if self.kv_load_failure_policy not in ("fail", "recompute"):
-            raise ValueError(
-                "kv_load_failure_policy is 'fail' or 'recompute', not "
-                f"{self.kv_load_failure_policy!r}"
-            )
-        if self.nixl_failed_loads < 0 or (
-            self.nixl_failed_loads and (not self.nixl or self.kv_offloading)
-        ):
-            raise ValueError(
-                "nixl_failed_loads is a count >= 0 of loads, for NIXL alone, not "
-                f"{self.nixl_failed_loads} (nixl={self.nixl}, kv_offloading={self.kv_offloading})"
-            )
-        if self.async_scheduling and self.speculative and self.speculative.method == "suffix":
-            # V2 does not run suffix decoding, and V1 refuses it with async scheduling.
-            raise ValueError("vLLM has no model runner for suffix decoding under async scheduling")
+    @property
+    def config_async_scheduling(self) -> bool:
+        """The ``async_scheduling`` flag of the ``SchedulerConfig``."""
+        return self.async_scheduling
+
+    def config_extras(self, model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
+        """More ``VllmConfig`` fields, built for ``model`` (a KV connector's
+        ``kv_transfer_config``, a ``speculative_config``)."""
+        return {}
+
+    def building_config(self) -> AbstractContextManager[None]:
+        """What holds while the ``VllmConfig`` is built."""
+        return nullcontext()
+
+    def kv_cache_tensors(self, groups: list[KVCacheGroupSpec]) -> list[Any]:
+        """The ``KVCacheConfig``'s tensors for ``groups`` (the scheduler never reads them)."""
+        return []
+
+    def adjust_kv_cache_config(self, config: KVCacheConfig, vllm_config: VllmConfig) -> None:
+        """What vLLM's KV-cache planning changes in ``config`` for ``vllm_config``."""
+
+    def fake_model(self, scheduler: Scheduler) -> FakeModel:
+        """The fake model :func:`~kvblocks.vllm.bench.timing.timed_run` steps ``scheduler``
+        with."""
+        return FakeModel()
 
 
 def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
@@ -262,12 +172,7 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
     select_cpu_platform()
     from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
-    speculation = spec.speculative
-    # vLLM's CPU platform turns async scheduling off in the config anyway (the driver's
-    # scheduler class is what makes it async); asking for it would only run the check of
-    # the V1 model runner, the one the CPU gets, which refuses n-gram drafting under async
-    # scheduling (the V2 runner, the GPU default, runs it).
-    async_flag = spec.async_scheduling and not (speculation and speculation.method == "ngram")
+    async_flag = spec.config_async_scheduling
     scheduler_config = SchedulerConfig(
         # vLLM needs a token budget of at least one token per sequence.
         max_num_seqs=min(spec.max_num_seqs, spec.max_num_batched_tokens),
@@ -290,29 +195,6 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         # caching caches Mamba states in "align" mode, else none.
         cache_config.mamba_cache_mode = "align" if spec.enable_caching else "none"
     extra = dict(spec.extra)
-    if spec.kv_offloading and spec.nixl:
-        from kvblocks.vllm.bench_driver import multi
-
-        extra["kv_transfer_config"] = multi.kv_transfer_config(spec, make_kv_cache_config(spec))
-    elif spec.kv_offloading:
-        from kvblocks.vllm.bench_driver.offloading import kv_transfer_config
-
-        extra["kv_transfer_config"] = kv_transfer_config(spec, make_kv_cache_config(spec))
-    elif spec.nixl:
-        from kvblocks.vllm.bench_driver import nixl
-
-        extra["kv_transfer_config"] = nixl.kv_transfer_config(
-            spec.nixl_transfer_mode, spec.nixl_failed_loads, spec.kv_load_failure_policy
-        )
-    elif spec.mooncake:
-        from kvblocks.vllm.bench_driver import mooncake
-
-        extra["kv_transfer_config"] = mooncake.kv_transfer_config()
-    elif spec.decode_bench:
-        from kvblocks.vllm.bench_driver import decode_bench
-
-        startup = spec.decode_bench == "startup"
-        extra["kv_transfer_config"] = decode_bench.kv_transfer_config(startup)
     if spec.kv_events:
         from vllm.config import KVEventsConfig
 
@@ -322,9 +204,8 @@ def make_vllm_config(model_dir: Path, spec: SchedulerSpec) -> VllmConfig:
         models = copy.copy(models)  # the cached config is shared
         models.max_model_len = spec.max_model_len
     parallel_config = extra.pop("parallel_config", None) or ParallelConfig()
-    if speculation is not None:
-        extra["speculative_config"] = speculative_config(speculation, models, parallel_config)
-    with _scheduler_only_cpu_platform():
+    extra.update(spec.config_extras(models, parallel_config))
+    with spec.building_config():
         config = VllmConfig(
             model_config=models,
             scheduler_config=scheduler_config,
@@ -354,8 +235,8 @@ def make_kv_cache_config(
 ) -> KVCacheConfig:
     """``spec.layout``'s KV-cache groups over one pool of ``spec.num_blocks`` blocks, each
     group's spec as vLLM builds it for that kind (tiny head sizes: nothing is allocated);
-    with ``vllm_config``, as vLLM's planning adjusts them for its speculative decoding
-    (:func:`~kvblocks.vllm.bench_driver.speculative.mark_draft_groups`)."""
+    with ``vllm_config``, as vLLM's planning adjusts them for it
+    (:meth:`SchedulerSpec.adjust_kv_cache_config`)."""
     select_cpu_platform()
     import torch
     from vllm.v1.kv_cache_interface import (
@@ -397,22 +278,14 @@ def make_kv_cache_config(
         else:
             raise ValueError(f"unknown KV-cache group kind {kind!r}")
         groups.append(KVCacheGroupSpec([f"layer.{i}"], group_spec))
-    tensors = []
-    if spec.kv_offloading:
-        # The connector sizes the CPU tier's chunks from them (vLLM's planning always
-        # describes them; the scheduler and its KV-cache manager never read them).
-        from kvblocks.vllm.bench_driver.offloading import kv_cache_tensors
-
-        tensors = kv_cache_tensors(groups, spec.num_blocks)
     config = KVCacheConfig(
         num_blocks=spec.num_blocks,
-        kv_cache_tensors=tensors,
+        kv_cache_tensors=spec.kv_cache_tensors(groups),
         kv_cache_groups=groups,
         prefix_cache_retention_interval=spec.retention_interval,
     )
-    if vllm_config is not None and vllm_config.speculative_config is not None:
-        draft_groups = spec.speculative.draft_groups if spec.speculative else None
-        mark_draft_groups(config, vllm_config, draft_groups)
+    if vllm_config is not None:
+        spec.adjust_kv_cache_config(config, vllm_config)
     return config
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvblocks.vllm.bench_driver.config import VOCAB_SIZE, SchedulerSpec, make_scheduler
-from kvblocks.vllm.bench_driver.drafts import drafter_for
-from kvblocks.vllm.bench_driver.fake_model import FakeModel, block_hasher, make_request, snapshot
+from kvblocks.vllm.bench.config import SchedulerSpec, make_scheduler
+from kvblocks.vllm.bench.fake_model import block_hasher, make_request
+from kvblocks.vllm.bench.platform import VOCAB_SIZE
 from kvblocks.workloads import shared_prefix_prompts
 
 #: The KV-cache manager methods vLLM's scheduler calls, timed by :func:`timed_run`.
@@ -172,7 +172,7 @@ def timed_run(
     which kvblocks does not replace); the timers slow the run down, so compare totals of runs
     without them.
 
-    With speculative decoding (``spec.speculative``) the fake model verifies drafts and
+    With speculative decoding (a spec whose fake model drafts) the fake model verifies drafts and
     proposes new ones, which reach the scheduler as ``EngineCore.post_step`` hands them over
     (``update_draft_token_ids``, counted in ``update``), and the request block hasher hashes
     as many lookahead tokens as the configuration says.
@@ -232,7 +232,7 @@ def _drive(
                 slot = timings.connector_calls.setdefault(name, [0.0, 0.0])
                 setattr(connector, name, _timed(method, slot))
     prompts = workload.prompts()
-    model = FakeModel(drafter_for(scheduler))
+    model = spec.fake_model(scheduler)
     clock = time.perf_counter
     start = clock()
     for i, prompt in enumerate(prompts):
@@ -261,7 +261,7 @@ def _drive(
             scheduler.update_draft_token_ids(drafts)
         timings.update += clock() - start
         timings.steps += 1
-        snapshots.append(snapshot(out))
+        snapshots.append(model.snapshot(out))
     timings.manager = sum(s for _, s in timings.manager_calls.values()) - manager_at_arrival
     timings.connector = sum(s for _, s in timings.connector_calls.values())
     return timings, snapshots

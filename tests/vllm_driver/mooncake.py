@@ -2,7 +2,7 @@
 engine) for the driver: the configuration ``SchedulerSpec.mooncake`` turns on, the
 ``kv_transfer_params`` a router gives prefill and decode requests, and a fake worker side.
 
-As with :mod:`~kvblocks.vllm.bench_driver.nixl`, one scheduler plays both roles
+As with :mod:`~tests.vllm_driver.nixl`, one scheduler plays both roles
 (``kv_role="kv_both"``): a request with :func:`prefill_params` is a prefill node's (its blocks
 stay held after it finishes until they are sent), one with :func:`decode_params` a decode
 node's (its prompt's KV arrives asynchronously into the blocks allocated for it). The
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvblocks.vllm.bench_driver.config import select_cpu_platform
-from kvblocks.vllm.bench_driver.nixl import count_down
+from kvblocks.vllm.bench.platform import select_cpu_platform
+from tests.vllm_driver.nixl import count_down
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig

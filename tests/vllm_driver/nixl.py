@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvblocks.vllm.bench_driver.config import select_cpu_platform
+from kvblocks.vllm.bench.platform import select_cpu_platform
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig

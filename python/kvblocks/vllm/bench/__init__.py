@@ -1,5 +1,11 @@
 """``kvblocks bench --engine vllm``: vLLM 0.33's scheduler with and without kvblocks, same
-process, same workload, driven by a fake model on the CPU (see :mod:`kvblocks.vllm.bench_driver`).
+process, same workload, driven by a fake model on the CPU.
+
+The package holds what that command needs and no more: vLLM's configuration on the CPU
+platform for a tiny model (:mod:`~kvblocks.vllm.bench.config`), the fake model
+(:mod:`~kvblocks.vllm.bench.fake_model`) and timed runs (:mod:`~kvblocks.vllm.bench.timing`).
+The vLLM test tier and ``benches/bench_vllm.py`` extend it with KV connectors and speculative
+decoding from the repository's ``tests/vllm_driver``, which does not ship.
 
 Each side runs ``rounds`` times without timers (the median is compared) and once more with a
 timer on every hasher and KV-cache-manager call (where the time goes). The scheduler outputs
@@ -17,16 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvblocks.vllm
-from kvblocks.vllm import _state
-from kvblocks.vllm.bench_driver import (
+import kvblocks.vllm._state as _state
+from kvblocks.vllm.bench.config import (
     SchedulerSpec,
-    Timings,
-    Workload,
     layout_groups,
     make_vllm_config,
-    timed_run,
     tiny_model_dir,
 )
+from kvblocks.vllm.bench.timing import Timings, Workload, timed_run
 
 __all__ = [
     "IMPLS",

@@ -21,14 +21,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvblocks.vllm.bench_driver import nixl, offloading
+from tests.vllm_driver import nixl, offloading
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvblocks.vllm.bench_driver.config import SchedulerSpec
+    from tests.vllm_driver.config import SchedulerSpec
 
 
 def kv_transfer_config(spec: SchedulerSpec, kv_cache_config: KVCacheConfig) -> KVTransferConfig:
@@ -64,7 +64,7 @@ class FakeMultiWorker:
     metadata in one ``MultiKVConnectorWorkerMetadata``."""
 
     def __init__(self, scheduler: Scheduler, connector: Any) -> None:
-        from kvblocks.vllm.bench_driver.fake_model import connector_worker
+        from tests.vllm_driver.connectors import connector_worker
 
         self.workers = [connector_worker(scheduler, c) for c in connector.sub_connectors]
 
@@ -98,7 +98,7 @@ def fake_worker(scheduler: Scheduler, connector: Any) -> FakeMultiWorker:
 def connector_decisions(out: SchedulerOutput) -> tuple[Any, ...]:
     """Each child's decisions of the step, one after the other (with NIXL and offloading:
     NIXL's three, then the OffloadingConnector's loads, stores and flushed jobs)."""
-    from kvblocks.vllm.bench_driver.fake_model import connector_decisions as decisions_of
+    from tests.vllm_driver.connectors import connector_decisions as decisions_of
 
     metadata = out.kv_connector_metadata
     assert isinstance(metadata, MultiKVConnectorMetadata)

@@ -29,8 +29,8 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
-from kvblocks.vllm.bench_driver.config import VOCAB_SIZE, select_cpu_platform
-from kvblocks.vllm.bench_driver.fake_model import sampled_token
+from kvblocks.vllm.bench.fake_model import sampled_token
+from kvblocks.vllm.bench.platform import VOCAB_SIZE, select_cpu_platform
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler

@@ -3,21 +3,21 @@
 ``OffloadingConnectorScheduler`` and ``CPUOffloadingManager``, LRU by default) and a fake
 worker side that moves no memory.
 
-:class:`~kvblocks.vllm.bench_driver.config.SchedulerSpec` turns it on
+:class:`~tests.vllm_driver.config.SchedulerSpec` turns it on
 (``kv_offloading``: the CPU tier's size in chunks); then
-:func:`~kvblocks.vllm.bench_driver.config.make_vllm_config` sets the
+:func:`~kvblocks.vllm.bench.config.make_vllm_config` sets the
 :func:`kv_transfer_config` that ``--kv-offloading-size`` would (connector
 ``OffloadingConnector``, role ``kv_both``, ``cpu_bytes_to_use``), except that the spec is
 :class:`DriverCPUOffloadingSpec`, and
-:func:`~kvblocks.vllm.bench_driver.config.make_kv_cache_config` describes the KV-cache
+:func:`~kvblocks.vllm.bench.config.make_kv_cache_config` describes the KV-cache
 tensors (:func:`kv_cache_tensors`), from which vLLM sizes a chunk.
 
 The worker side is :class:`ConnectorWorker`: a WORKER-role ``OffloadingConnector`` over small
 CPU tensors, stepped as vLLM's model runner steps it, whose transfers
 (:class:`FakeOffloadingWorker`) all complete, successfully, within the step they are
-submitted in. :class:`~kvblocks.vllm.bench_driver.fake_model.FakeModel` holds one where the
+submitted in. :class:`~kvblocks.vllm.bench.fake_model.FakeModel` holds one where the
 scheduler has a connector. :func:`connector_decisions` turns a step's connector metadata
-into plain values (what :func:`~kvblocks.vllm.bench_driver.fake_model.snapshot` records).
+into plain values (what :func:`~kvblocks.vllm.bench.fake_model.snapshot` records).
 
 Nothing imports this module when the driver is imported: the driver's functions import it
 once they have selected vLLM's CPU platform, and vLLM imports it by name
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    from kvblocks.vllm.bench_driver.config import SchedulerSpec
+    from tests.vllm_driver.config import SchedulerSpec
 
 #: The spec vLLM's ``OffloadingSpecFactory`` loads (``spec_name``, ``spec_module_path``).
 SPEC_NAME = "DriverCPUOffloadingSpec"
