@@ -1,13 +1,13 @@
 """The seed's measurement (vLLM PR #4696): generate repeatedly from one long prompt with prefix
 caching on, so every prefix block is a hit, and report the share of engine time spent in
-bookkeeping (hashing, block management and scheduling) with the Python twin and with the Rust
+bookkeeping (hashing, block management and scheduling) with the Python reference and with the Rust
 core, in the same run, plus the end-to-end speed-up.
 
     pytest benches/bench_engine.py -s --benchmark-columns=median,rounds [--ratios-md FILE]
 
 And the engine's bookkeeping per decode step (``Scheduler.schedule`` and handing over the
 sampled tokens) at 64 and 256 running requests, against the bare ``schedule_step`` call it
-wraps and against the same scheduler on the twin.
+wraps and against the same scheduler on the reference.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ def test_generate_with_every_prefix_block_cached(
     first = llm.generate([prompt], PARAMS)  # computes and caches the prefix
     book, model = llm.stats.bookkeeping_s, llm.stats.model_s
     case = f"generate 16 tokens from a cached {prompt_len // 1024}k-token prompt"
-    impl = "rust" if backend == "rust" else "twin"
+    impl = "rust" if backend == "rust" else "reference"
     benchmark.group = case
     benchmark.extra_info.update(
-        case=case, impl=impl, baselines=[[case, "twin"]] if impl == "rust" else []
+        case=case, impl=impl, baselines=[[case, "reference"]] if impl == "rust" else []
     )
     result = benchmark.pedantic(lambda: llm.generate([prompt], PARAMS), rounds=5, warmup_rounds=1)
     assert result[0].outputs[0].token_ids == first[0].outputs[0].token_ids
@@ -69,10 +69,10 @@ def test_shared_prefix_workload(benchmark: Any, backend: str) -> None:
     prompts = shared_prefix_prompts(32, 1024, 64, vocab_size=LlamaConfig().vocab_size)
     params = SamplingParams(max_tokens=32)
     case = "kvblocks bench workload: 32 requests, 1k shared prefix, 32 output tokens"
-    impl = "rust" if backend == "rust" else "twin"
+    impl = "rust" if backend == "rust" else "reference"
     benchmark.group = case
     benchmark.extra_info.update(
-        case=case, impl=impl, baselines=[[case, "twin"]] if impl == "rust" else []
+        case=case, impl=impl, baselines=[[case, "reference"]] if impl == "rust" else []
     )
     engines: list[LLM] = []
 
@@ -131,20 +131,20 @@ BLOCK_SIZE = 16
 DECODE_ROUNDS = 300
 
 
-@pytest.mark.parametrize("impl", ["bare-schedule_step", "scheduler", "twin-scheduler"])
+@pytest.mark.parametrize("impl", ["bare-schedule_step", "scheduler", "reference-scheduler"])
 @pytest.mark.parametrize("num_reqs", [64, 256])
 def test_decode_step_bookkeeping(benchmark: Any, num_reqs: int, impl: str) -> None:
     """Engine bookkeeping per decode step (``Scheduler.schedule`` + ``update``) against the
     bare ``schedule_step`` call it wraps (the floor: target at most 1.5x) and against the same
-    scheduler on the twin."""
-    module = kvblocks.reference if impl.startswith("twin") else kvblocks
+    scheduler on the reference."""
+    module = kvblocks.reference if impl.startswith("reference") else kvblocks
     rounds = DECODE_ROUNDS if module is kvblocks else 20
     batch = DecodeBatch(module, num_reqs, rounds + 5)
     case = f"decode step bookkeeping, {num_reqs} running requests"
     benchmark.group = case
     info: dict[str, Any] = {"case": case, "impl": impl}
     if impl == "scheduler":
-        info["baselines"] = [[case, "twin-scheduler"]]
+        info["baselines"] = [[case, "reference-scheduler"]]
         info["floors"] = [[case, "bare-schedule_step"]]
     benchmark.extra_info.update(info)
     fn = batch.bare_step if impl == "bare-schedule_step" else batch.step

@@ -1,4 +1,4 @@
-"""Block hashing: kvblocks (Rust) against its pure-Python twin, in one run.
+"""Block hashing: kvblocks (Rust) against its pure-Python reference, in one run.
 
     pytest benches/bench_hashing.py --benchmark-columns=median,iqr,rounds [--ratios-md FILE]
 
@@ -9,9 +9,9 @@ hasher seed) are ``kvblocks.workloads``' hashing workloads, the defaults of
 
 - ``rust`` / ``rust-numpy``: ``kvblocks.BlockHasher.hash_blocks`` on a list / a uint32 array;
 - ``rust-numpy-array``: ``hash_blocks_array`` on a uint32 array (no Python object per block);
-- ``twin``: ``kvblocks.reference.BlockHasher.hash_blocks`` on the same list (the same API,
+- ``reference``: ``kvblocks.reference.BlockHasher.hash_blocks`` on the same list (the same API,
   including the same input checks);
-- ``vllm-loop`` (where noted): the twin's bare chain loop, i.e. vLLM's own per-block work
+- ``vllm-loop`` (where noted): the reference's bare chain loop, i.e. vLLM's own per-block work
   (tuple, serialize, digest) with no input checks: the conservative baseline.
 
 And the floor under each 32k-token figure, measured in the same run (``test_floor``): the
@@ -80,15 +80,17 @@ def _run(
 
 
 # The variant varies fastest, so each case's variants run back to back (less drift between them).
-@pytest.mark.parametrize("impl", ["rust", "rust-numpy", "rust-numpy-array", "twin", "vllm-loop"])
+@pytest.mark.parametrize(
+    "impl", ["rust", "rust-numpy", "rust-numpy-array", "reference", "vllm-loop"]
+)
 @pytest.mark.parametrize("num_tokens", HASHING_PROMPT_LENGTHS)
 @pytest.mark.parametrize("algo", kvblocks.HASH_ALGORITHMS)
 def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> None:
     tokens = hashing_prompt(num_tokens)
     case = f"hash {num_tokens // 1024}k tokens, {algo}"
-    rust_baselines = ["twin", "vllm-loop"]
+    rust_baselines = ["reference", "vllm-loop"]
     if algo == "xxh3_128":  # the fast mode against vLLM's default-portable algorithm
-        rust_baselines.append(f"twin::hash {num_tokens // 1024}k tokens, sha256_cbor")
+        rust_baselines.append(f"reference::hash {num_tokens // 1024}k tokens, sha256_cbor")
     floor = f"floor, {num_tokens // 1024}k tokens"
     if num_tokens == FLOOR_SIZE and impl.startswith("rust") and _HashingFloor is not None:
         digest = [f"{floor}, {algo}", "digest-each"]
@@ -102,27 +104,27 @@ def test_hash_prompt(benchmark: Any, impl: str, num_tokens: int, algo: str) -> N
         method = hasher.hash_blocks_array if impl == "rust-numpy-array" else hasher.hash_blocks
         uint32 = np.array(tokens, dtype=np.uint32)
         _run(benchmark, case, impl, lambda: method(uint32), rust_baselines)
-    elif impl == "twin":
-        twin = hashing_hasher(ref, algo)
-        _run(benchmark, case, impl, lambda: twin.hash_blocks(tokens), [])
+    elif impl == "reference":
+        reference = hashing_hasher(ref, algo)
+        _run(benchmark, case, impl, lambda: reference.hash_blocks(tokens), [])
     else:
-        twin = hashing_hasher(ref, algo)
+        reference = hashing_hasher(ref, algo)
         keys = RequestKeys()
-        _run(benchmark, case, impl, lambda: BlockChain(twin, keys).extend(tokens), [])
+        _run(benchmark, case, impl, lambda: BlockChain(reference, keys).extend(tokens), [])
 
 
-@pytest.mark.parametrize("impl", ["rust", "twin"])
+@pytest.mark.parametrize("impl", ["rust", "reference"])
 @pytest.mark.parametrize("algo", ["sha256_cbor", "xxh3_128"])
 def test_decode_appends(benchmark: Any, impl: str, algo: str) -> None:
     """A 16-token prompt grown to 4k tokens one token per call, as a decode loop does."""
     module = kvblocks if impl == "rust" else ref
     decode = decode_workload(module, hashing_hasher(module, algo))
-    baselines = ["twin"] if impl == "rust" else []
+    baselines = ["reference"] if impl == "rust" else []
     case = f"decode {DECODE_LENGTH // 1024}k tokens one at a time, {algo}"
     _run(benchmark, case, impl, decode, baselines)
 
 
-def test_twin_and_rust_agree_on_the_benchmark_workload() -> None:
+def test_reference_and_rust_agree_on_the_benchmark_workload() -> None:
     """The benchmarked variants compute the same hashes (a fast check, runs with the suite)."""
     tokens = hashing_prompt(DECODE_LENGTH)
     for algo in kvblocks.HASH_ALGORITHMS:

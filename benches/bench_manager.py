@@ -1,4 +1,4 @@
-"""Block management: kvblocks.BlockManager (Rust) against its pure-Python twin, in one run,
+"""Block management: kvblocks.BlockManager (Rust) against its pure-Python reference, in one run,
 through the per-request API (one Python call per request per operation).
 
     pytest benches/bench_manager.py --benchmark-columns=median,iqr,rounds [--ratios-md FILE]
@@ -25,7 +25,7 @@ NUM_BLOCKS = 4096
 PREFIX = random_prompt(2000, seed=1)
 BATCH = 32
 DECODE_STEPS = 32
-IMPLS = {"rust": kvblocks, "twin": ref}
+IMPLS = {"rust": kvblocks, "reference": ref}
 
 
 def _suffix(i: int) -> list[int]:
@@ -48,11 +48,11 @@ def _admit(m: Any, rid: str, tokens: list[int]) -> None:
 def _info(benchmark: Any, case: str, impl: str) -> None:
     benchmark.group = case
     benchmark.extra_info.update(
-        case=case, impl=impl, baselines=[[case, "twin"]] if impl == "rust" else []
+        case=case, impl=impl, baselines=[[case, "reference"]] if impl == "rust" else []
     )
 
 
-@pytest.mark.parametrize("impl", ["rust", "twin"])
+@pytest.mark.parametrize("impl", ["rust", "reference"])
 def test_shared_prefix_batch(benchmark: Any, impl: str) -> None:
     m = _manager(impl)
     prompts = [PREFIX + _suffix(i) for i in range(BATCH)]
@@ -78,7 +78,7 @@ def _pedantic(benchmark: Any, fn: Callable[[], object], setup: Callable[[], None
     benchmark.pedantic(fn, setup=setup, rounds=200, warmup_rounds=5)
 
 
-@pytest.mark.parametrize("impl", ["rust", "twin"])
+@pytest.mark.parametrize("impl", ["rust", "reference"])
 def test_lookup(benchmark: Any, impl: str) -> None:
     m = _manager(impl)
     m.add_request("r", PREFIX + _suffix(0))
@@ -88,7 +88,7 @@ def test_lookup(benchmark: Any, impl: str) -> None:
     assert len(hits) == n // BLOCK_SIZE
 
 
-@pytest.mark.parametrize("impl", ["rust", "twin"])
+@pytest.mark.parametrize("impl", ["rust", "reference"])
 def test_prefill_allocation(benchmark: Any, impl: str) -> None:
     m = _manager(impl)
     m.add_request("r", PREFIX + _suffix(0))
@@ -102,7 +102,7 @@ def test_prefill_allocation(benchmark: Any, impl: str) -> None:
     assert len(m.get_block_ids("r")) == -(-2200 // BLOCK_SIZE)
 
 
-@pytest.mark.parametrize("impl", ["rust", "twin"])
+@pytest.mark.parametrize("impl", ["rust", "reference"])
 def test_decode_step(benchmark: Any, impl: str) -> None:
     m = _manager(impl)
     _admit(m, "r", PREFIX + _suffix(0))
@@ -118,7 +118,7 @@ def test_decode_step(benchmark: Any, impl: str) -> None:
     assert m.num_computed_tokens("r") == m.num_tokens("r")
 
 
-@pytest.mark.parametrize("impl", ["rust", "twin"])
+@pytest.mark.parametrize("impl", ["rust", "reference"])
 def test_free(benchmark: Any, impl: str) -> None:
     m = _manager(impl)
     prompt = PREFIX + _suffix(0)

@@ -1,5 +1,5 @@
 """Decode steps through the batched API: one ``schedule_step`` call per step (Rust), the same
-work as per-request Rust calls, and the twin's ``schedule_step``, in one run.
+work as per-request Rust calls, and the reference's ``schedule_step``, in one run.
 
     pytest benches/bench_step.py --benchmark-columns=median,iqr,rounds [--ratios-md FILE]
 
@@ -66,15 +66,15 @@ class Running:
 
 def _run(benchmark: Any, case: str, impl: str, fn: Any) -> None:
     benchmark.group = case
-    baselines = [[case, "twin"]] if impl != "twin" else []
+    baselines = [[case, "reference"]] if impl != "reference" else []
     benchmark.extra_info.update(case=case, impl=impl, baselines=baselines)
     benchmark.pedantic(fn, rounds=ROUNDS, warmup_rounds=10)
 
 
-@pytest.mark.parametrize("impl", ["rust-batched", "rust-per-request", "twin"])
+@pytest.mark.parametrize("impl", ["rust-batched", "rust-per-request", "reference"])
 @pytest.mark.parametrize("num_reqs", SIZES)
 def test_decode_step(benchmark: Any, num_reqs: int, impl: str) -> None:
-    state = Running(ref if impl == "twin" else kvblocks, num_reqs)
+    state = Running(ref if impl == "reference" else kvblocks, num_reqs)
     fn = state.per_request if impl == "rust-per-request" else state.batched
     _run(benchmark, f"decode step, {num_reqs} running requests", impl, fn)
     if impl != "rust-per-request":
@@ -98,12 +98,12 @@ def objects_kept_per_step(state: Running, fn: Any) -> int:
     )
 
 
-@pytest.mark.parametrize("impl", ["rust-batched", "rust-per-request", "twin"])
+@pytest.mark.parametrize("impl", ["rust-batched", "rust-per-request", "reference"])
 def test_python_objects_per_step(impl: str, capsys: Any) -> None:
     """The batched Rust step keeps O(1) Python objects per step; the others O(requests)."""
     counts = {}
     for n in (64, 256):
-        state = Running(ref if impl == "twin" else kvblocks, n)
+        state = Running(ref if impl == "reference" else kvblocks, n)
         fn = state.per_request if impl == "rust-per-request" else state.batched
         counts[n] = objects_kept_per_step(state, fn)
     with capsys.disabled():

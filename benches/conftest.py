@@ -1,5 +1,5 @@
 """Prints (and with ``--ratios-md FILE`` saves) the speed-up of each kvblocks variant over
-its baseline (the pure-Python twin, or stock vLLM), from the medians pytest-benchmark
+its baseline (the pure-Python reference, or stock vLLM), from the medians pytest-benchmark
 measured in this same run.
 
 Each benchmark names itself in ``benchmark.extra_info``: ``case`` (the workload), ``impl``

@@ -158,14 +158,14 @@ def test_caller_array_is_not_retained() -> None:
 
 def test_threads_share_a_hasher_and_own_their_sequences() -> None:
     hasher = kvblocks.BlockHasher("sha256_cbor", block_size=16)
-    twin = ref.BlockHasher("sha256_cbor", block_size=16)
+    reference = ref.BlockHasher("sha256_cbor", block_size=16)
     prompts = [list(range(t * 1000, t * 1000 + 3000)) for t in range(4)]
-    expected = [twin.hash_blocks(p + list(range(200))) for p in prompts]
+    expected = [reference.hash_blocks(p + list(range(200))) for p in prompts]
     results: list[list[bytes] | None] = [None] * len(prompts)
     shared = kvblocks.TokenSequence([1], hasher=hasher)
 
     def work(i: int) -> None:
-        assert hasher.hash_blocks(np.array(prompts[i], dtype=np.uint32)) == twin.hash_blocks(
+        assert hasher.hash_blocks(np.array(prompts[i], dtype=np.uint32)) == reference.hash_blocks(
             prompts[i]
         )
         seq = kvblocks.TokenSequence(prompts[i], hasher=hasher)

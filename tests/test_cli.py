@@ -87,7 +87,7 @@ def test_bench_hashing_defaults_are_the_benchmark_workload(
     recorder = _Recorder()
     monkeypatch.setattr(kvblocks, "BlockHasher", recorder.BlockHasher)
     monkeypatch.setattr(kvblocks, "TokenSequence", recorder.TokenSequence)
-    monkeypatch.setattr(cli, "_twin", lambda: None)
+    monkeypatch.setattr(cli, "_reference", lambda: None)
     algos = ["sha256_cbor", "xxh3_128"]
     assert cli.main(["bench-hashing", "--algo", *algos, "--repeat", "1"]) == 0
     assert "hash a 32,768-token prompt" in capsys.readouterr().out
@@ -107,7 +107,7 @@ def test_bench_hashing_options(
     recorder = _Recorder()
     monkeypatch.setattr(kvblocks, "BlockHasher", recorder.BlockHasher)
     monkeypatch.setattr(kvblocks, "TokenSequence", recorder.TokenSequence)
-    monkeypatch.setattr(cli, "_twin", lambda: None)
+    monkeypatch.setattr(cli, "_reference", lambda: None)
     argv = ["bench-hashing", "--tokens", "40,100", "--algo", "sha256", "--block-size", "8"]
     argv += ["--decode-tokens", "50", "--repeat", "2"]
     assert cli.main(argv) == 0
@@ -118,17 +118,17 @@ def test_bench_hashing_options(
 
 
 def test_bench_hashing_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    """A small real run, Rust against the twin."""
+    """A small real run, Rust against the reference."""
     argv = ["bench-hashing", "--tokens", "64,256", "--algo", "sha256_cbor", "xxh3_128"]
     assert cli.main([*argv, "--decode-tokens", "64", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     assert "block hashing, block size 16" in out
     for row in ("hash a 64-token prompt", "hash a 256-token prompt", "grow to 64 tokens"):
         assert row in out
-    assert out.count("x\n") == 6  # a speed-up over the twin on every row
+    assert out.count("x\n") == 6  # a speed-up over the reference on every row
 
 
-# kvblocks bench: a fair comparison of the Rust block manager and its twin.
+# kvblocks bench: a fair comparison of the Rust block manager and its reference.
 
 
 @dataclass

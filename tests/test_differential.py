@@ -1,4 +1,4 @@
-"""Hypothesis drives the Rust implementation and the pure-Python twin with the same random
+"""Hypothesis drives the Rust implementation and the pure-Python reference with the same random
 inputs; every hash must agree, and TokenSequence must not care how the tokens arrive."""
 
 from __future__ import annotations
@@ -70,18 +70,18 @@ def test_hash_block_agrees(
 ) -> None:
     seed = seed if seed is not None else "fixed"
     native = kvblocks.BlockHasher(algo, block_size=block_size, seed=seed)
-    twin = ref.BlockHasher(algo, block_size=block_size, seed=seed)
-    assert native.none_hash == twin.none_hash
-    assert native.hash_block(parent, tokens, extra) == twin.hash_block(parent, tokens, extra)
+    reference = ref.BlockHasher(algo, block_size=block_size, seed=seed)
+    assert native.none_hash == reference.none_hash
+    assert native.hash_block(parent, tokens, extra) == reference.hash_block(parent, tokens, extra)
 
 
 @SETTINGS
 @given(algo=ALGOS, block_size=st.integers(1, 24), request=requests())
 def test_hash_blocks_agree(algo: str, block_size: int, request: dict[str, Any]) -> None:
     native = kvblocks.BlockHasher(algo, block_size=block_size, seed="x")
-    twin = ref.BlockHasher(algo, block_size=block_size, seed="x")
+    reference = ref.BlockHasher(algo, block_size=block_size, seed="x")
     tokens = request.pop("tokens")
-    expected = twin.hash_blocks(tokens, **request)
+    expected = reference.hash_blocks(tokens, **request)
     assert len(expected) == len(tokens) // block_size
     assert native.hash_blocks(tokens, **request) == expected
 

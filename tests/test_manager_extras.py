@@ -1,5 +1,5 @@
 """What kvblocks adds to vLLM's block manager (copy-on-write forks, token-verified hits) and
-how it refuses bad input; each test runs against the Rust manager and the twin."""
+how it refuses bad input; each test runs against the Rust manager and the reference."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hypothesis drives the Rust manager and the pure-Python twin with the same random operations
+"""Hypothesis drives the Rust manager and the pure-Python reference with the same random operations
 on a small pool (so that eviction, allocation failure and copy-on-write happen often), compares
 every result after every step, and checks the pool's invariants."""
 
@@ -60,12 +60,12 @@ class ManagerPair(RuleBasedStateMachine):
             "max_model_len": 64,
         }
         self.rust = kvblocks.BlockManager(num_blocks, block_size, **common)
-        self.twin = ref.BlockManager(num_blocks, block_size, **common)
+        self.reference = ref.BlockManager(num_blocks, block_size, **common)
         self.num_blocks = num_blocks
 
     def both(self, method: str, *args: Any, **kwargs: Any) -> Any:
         a = outcome(lambda: getattr(self.rust, method)(*args, **kwargs))
-        b = outcome(lambda: getattr(self.twin, method)(*args, **kwargs))
+        b = outcome(lambda: getattr(self.reference, method)(*args, **kwargs))
         assert a == b, (method, args, kwargs, a, b)
         return a[1]
 
@@ -154,7 +154,7 @@ class ManagerPair(RuleBasedStateMachine):
         data=st.data(),
     )
     def batched_step(self, rids: list[str], data: st.DataObject) -> None:
-        """One schedule_step over several requests (the twin defines it as the per-request
+        """One schedule_step over several requests (the reference defines it as the per-request
         calls, so equal results prove the native batch does exactly those calls)."""
         live = [r for r in rids if r in self.rust]
         if not live:
@@ -193,7 +193,7 @@ class ManagerPair(RuleBasedStateMachine):
                 step.evicted_block_ids.tolist(),
             )
 
-        a, b = outcome(lambda: run(self.rust)), outcome(lambda: run(self.twin))
+        a, b = outcome(lambda: run(self.rust)), outcome(lambda: run(self.reference))
         assert a == b, (a, b)
         if a[0] == "ok" and a[1][0] < len(live):
             event("batched step stopped early")
@@ -215,7 +215,7 @@ class ManagerPair(RuleBasedStateMachine):
     def drain(self) -> None:
         self.evictions()
         self.both("make_prefix_cache_stats")
-        a, b = self.rust.take_block_copies(), self.twin.take_block_copies()
+        a, b = self.rust.take_block_copies(), self.reference.take_block_copies()
         assert a.tolist() == b.tolist()
         if len(a):
             event("copy-on-write copies")
@@ -224,9 +224,9 @@ class ManagerPair(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "rust"))
     def same_state_and_invariants(self) -> None:
         state = self.rust.debug_state()
-        assert state == self.twin.debug_state()
-        assert self.rust.num_free_blocks == self.twin.num_free_blocks
-        assert self.rust.usage == self.twin.usage
+        assert state == self.reference.debug_state()
+        assert self.rust.num_free_blocks == self.reference.num_free_blocks
+        assert self.rust.usage == self.reference.usage
         refs, free = state["ref_counts"], state["free_block_ids"]
         held = Counter(b for table in state["block_tables"].values() for b in table)
         for block in range(1, self.num_blocks):

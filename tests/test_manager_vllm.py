@@ -1,5 +1,5 @@
 """vLLM 0.33's block-manager behaviours (docs/semantics.md §3.9 and §5, single group), each run
-against the Rust manager and its pure-Python twin."""
+against the Rust manager and its pure-Python reference."""
 
 from __future__ import annotations
 

@@ -116,14 +116,14 @@ def test_hostile_arguments(name: str) -> None:
     refused call changes nothing."""
     call = CALLS[name]
     for value in HOSTILE:
-        native, twin = _manager(kvblocks), _manager(ref)
+        native, reference = _manager(kvblocks), _manager(ref)
         before = _state(native)
-        assert before == _state(twin)
-        a, b = _outcome(native, call, value), _outcome(twin, call, value)
+        assert before == _state(reference)
+        a, b = _outcome(native, call, value), _outcome(reference, call, value)
         assert a == b, (name, value, a, b)
         if a != "ok":
             assert _state(native) == before, (name, value)
-            assert _state(twin) == before, (name, value)
+            assert _state(reference) == before, (name, value)
 
 
 def test_count_of_hostile_calls() -> None:
@@ -268,15 +268,15 @@ class Soak:
 @pytest.mark.parametrize("seed", range(4))
 def test_soak(seed: int) -> None:
     """SOAK_OPS random operations on the Rust manager (KVBLOCKS_SOAK_OPS for a long run), with
-    the invariants checked every 100 operations, and the first 2,000 replayed on the twin."""
-    native, twin = Soak(kvblocks, seed), Soak(ref, seed)
+    the invariants checked every 100 operations, and the first 2,000 replayed on the reference."""
+    native, reference = Soak(kvblocks, seed), Soak(ref, seed)
     for i in range(SOAK_OPS // 4):
         native.op()
         if i < 2000:
-            twin.op()
-            assert native.log[-1] == twin.log[-1], i
+            reference.op()
+            assert native.log[-1] == reference.log[-1], i
             if i % 100 == 0:
-                assert native.m.debug_state() == twin.m.debug_state()
+                assert native.m.debug_state() == reference.m.debug_state()
         if i % 100 == 0:
             _check_invariants(native.m)
     _check_invariants(native.m)

@@ -2,7 +2,7 @@
 preemption by recompute inside the step, and the runtime arrays (input ids, positions, row
 indices, per-row counts). Each step is checked against the per-request calls it stands for
 (``append_token_ids``, ``get_computed_blocks``, ``allocate_slots``, ``free``) run on a second
-manager, and the Rust core against the twin on the same scripts."""
+manager, and the Rust core against the reference on the same scripts."""
 
 from __future__ import annotations
 
@@ -111,12 +111,12 @@ def rows_of(step: Any) -> Expected:
 
 
 class Driver:
-    """A tiny scheduler over two managers: ``m`` takes batched steps, ``twin`` the per-request
+    """A tiny scheduler over two managers: ``m`` takes batched steps, ``reference`` the per-request
     calls; every step's rows must agree before the script goes on."""
 
     def __init__(self, module: ModuleType, num_blocks: int) -> None:
         self.m = module.BlockManager(num_blocks, B, hash_seed="s")
-        self.twin = module.BlockManager(num_blocks, B, hash_seed="s")
+        self.reference = module.BlockManager(num_blocks, B, hash_seed="s")
         self.running: list[int] = []
         self.waiting: list[int] = []
         self.last_rows: list[int] = []
@@ -126,7 +126,7 @@ class Driver:
         name = f"r{self.counter}"
         self.counter += 1
         h = self.m.add_request(name, prompt)
-        assert self.twin.add_request(name, prompt) == h
+        assert self.reference.add_request(name, prompt) == h
         self.waiting.append(h)
 
     def step(self, budget: int, preempt: bool, tokens: list[int], finish: list[bool]) -> Any:
@@ -143,10 +143,10 @@ class Driver:
             token_budget=budget,
             preempt=preempt,
         )
-        expected = per_request_step(self.twin, handles, lookup, live, budget, preempt)
+        expected = per_request_step(self.reference, handles, lookup, live, budget, preempt)
         got = rows_of(step)
         assert got == expected
-        assert self.m.debug_state() == self.twin.debug_state()
+        assert self.m.debug_state() == self.reference.debug_state()
         for i in got.preempted:
             self.running.remove(handles[i])
             self.waiting.insert(0, handles[i])
@@ -161,7 +161,7 @@ class Driver:
             done = got.rows[r]["seq_len"] == self.m.num_tokens(h)
             if done and finish[r % len(finish)]:
                 self.m.remove_request(h)
-                self.twin.remove_request(h)
+                self.reference.remove_request(h)
                 self.running.remove(h)
         return step
 
@@ -201,7 +201,7 @@ def scripts(draw: Any) -> tuple[int, list[Any]]:
     return num_blocks, ops
 
 
-@pytest.mark.parametrize("impl", [kvblocks, kvblocks.reference], ids=["native", "twin"])
+@pytest.mark.parametrize("impl", [kvblocks, kvblocks.reference], ids=["native", "reference"])
 @settings(max_examples=60, deadline=None)
 @given(script=scripts())
 def test_steps_equal_the_per_request_calls(impl: ModuleType, script: Any) -> None:
@@ -216,15 +216,15 @@ def test_steps_equal_the_per_request_calls(impl: ModuleType, script: Any) -> Non
 
 @settings(max_examples=40, deadline=None)
 @given(script=scripts())
-def test_rust_and_twin_make_the_same_decisions(script: Any) -> None:
+def test_rust_and_reference_make_the_same_decisions(script: Any) -> None:
     num_blocks, ops = script
-    rust, twin = Driver(kvblocks, num_blocks), Driver(kvblocks.reference, num_blocks)
+    rust, reference = Driver(kvblocks, num_blocks), Driver(kvblocks.reference, num_blocks)
     for op in ops:
         if op[0] == "add":
             rust.add(op[1])
-            twin.add(op[1])
+            reference.add(op[1])
             continue
-        a, b = rust.step(*op[1:]), twin.step(*op[1:])
+        a, b = rust.step(*op[1:]), reference.step(*op[1:])
         for name in a._fields:
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
 

@@ -5,7 +5,7 @@
                     where the time goes (bookkeeping vs model); ``--engine vllm`` runs
                     vLLM 0.33's own scheduler with and without kvblocks instead
                     (needs vLLM: pip install ".[vllm]" in a kvblocks checkout).
-``kvblocks bench-hashing``  times block hashing, Rust against the pure-Python twin.
+``kvblocks bench-hashing``  times block hashing, Rust against the pure-Python reference.
 ``kvblocks hash``   prints the chained block hashes of a JSON list of token ids.
 """
 
@@ -64,7 +64,7 @@ def _decode(algo: str, block_size: int, num_tokens: int) -> Workload:
     return make
 
 
-def _twin() -> Any:
+def _reference() -> Any:
     try:
         import cbor2  # noqa: F401
         import xxhash  # noqa: F401
@@ -76,10 +76,10 @@ def _twin() -> Any:
 
 
 def bench_hashing(args: argparse.Namespace) -> int:
-    twin = _twin()
-    if twin is None:
+    reference = _reference()
+    if reference is None:
         hint = install_hint("reference")
-        print(f"note: to compare with the twin, install cbor2 and xxhash: {hint}")
+        print(f"note: to compare with the reference, install cbor2 and xxhash: {hint}")
     cases: list[tuple[str, str, Workload]] = []
     for n in args.tokens:
         tokens = hashing_prompt(n)
@@ -100,21 +100,24 @@ def bench_hashing(args: argparse.Namespace) -> int:
             flush=True,
         )
         rust_s = _best_time(make(kvblocks), args.repeat)
-        twin_s = None if twin is None else _best_time(make(twin), max(2, args.repeat // 3))
-        rows.append((workload, algo, rust_s, twin_s))
+        reference_s = None
+        if reference is not None:
+            reference_s = _best_time(make(reference), max(2, args.repeat // 3))
+        rows.append((workload, algo, rust_s, reference_s))
     print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
 
     print(
         f"{_build()}: block hashing, block size {args.block_size}, "
-        f"best of {args.repeat} runs (Rust) vs the pure-Python twin, same process\n"
+        f"best of {args.repeat} runs (Rust) vs the pure-Python reference, same process\n"
     )
-    header = f"{'workload':<36} {'algorithm':<12} {'Rust':>10} {'twin':>10} {'speed-up':>9}"
+    header = f"{'workload':<36} {'algorithm':<12} {'Rust':>10} {'reference':>10} {'speed-up':>9}"
     print(header)
     print("-" * len(header))
-    for workload, algo, rust_s, twin_s in rows:
-        twin_cell = f"{twin_s * 1e3:8.2f}ms" if twin_s is not None else f"{'n/a':>10}"
-        ratio = f"{twin_s / rust_s:8.1f}x" if twin_s is not None else f"{'':>9}"
-        print(f"{workload:<36} {algo:<12} {rust_s * 1e3:8.3f}ms {twin_cell} {ratio}")
+    for workload, algo, rust_s, reference_s in rows:
+        reference_cell, ratio = f"{'n/a':>10}", f"{'':>9}"
+        if reference_s is not None:
+            reference_cell, ratio = f"{reference_s * 1e3:8.2f}ms", f"{reference_s / rust_s:8.1f}x"
+        print(f"{workload:<36} {algo:<12} {rust_s * 1e3:8.3f}ms {reference_cell} {ratio}")
     print("\nFull suite with statistics: pytest benches/ (see docs/benchmarks.md).")
     return 0
 
@@ -179,7 +182,7 @@ def _torch_threads(torch: Any, threads: int) -> Iterator[int]:
 
 
 def bench_engine(args: argparse.Namespace) -> int:
-    """``kvblocks.LLM`` with the Rust block manager against its pure-Python twin."""
+    """``kvblocks.LLM`` with the Rust block manager against its pure-Python reference."""
     _engine_defaults(
         args,
         num_requests=32,
@@ -520,7 +523,7 @@ def positive_int_list(text: str) -> list[int]:
 #: ``kvblocks bench --threads``' default. The embedded model's matrices are small (hidden
 #: size 64), so torch's extra threads have little to split and, where the cores are busy, wait
 #: on each other: on a shared 2-core machine torch's default (2 threads) made the default bench
-#: 2.5 to 10 times slower than 1 thread, and Rust slower end to end than the twin
+#: 2.5 to 10 times slower than 1 thread, and Rust slower end to end than the reference
 #: (0.64x [0.51x-0.89x]) while its bookkeeping was 11x faster.
 DEFAULT_TORCH_THREADS = 1
 
@@ -547,7 +550,7 @@ def parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["kvblocks", "vllm"],
         default="kvblocks",
-        help="kvblocks: kvblocks.LLM, Rust vs the Python twin (default); vllm: vLLM 0.33's "
+        help="kvblocks: kvblocks.LLM, Rust vs the Python reference (default); vllm: vLLM 0.33's "
         'scheduler, stock vs with kvblocks (needs vLLM 0.33: pip install ".[vllm]")',
     )
     e.add_argument("--num-requests", type=positive_int, help="default 32 (kvblocks), 256 (vllm)")
@@ -643,7 +646,9 @@ def parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=bench)
 
-    b = sub.add_parser("bench-hashing", help="time block hashing, Rust vs the pure-Python twin")
+    b = sub.add_parser(
+        "bench-hashing", help="time block hashing, Rust vs the pure-Python reference"
+    )
     b.add_argument(
         "--tokens",
         type=positive_int_list,

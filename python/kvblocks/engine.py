@@ -1,5 +1,5 @@
 """``kvblocks.LLM``: generation end to end on the torch runtime, with kvblocks' block manager
-(Rust or the pure-Python twin) doing the bookkeeping. Shaped like vLLM's ``LLM.generate``."""
+(Rust or the pure-Python reference) doing the bookkeeping. Shaped like vLLM's ``LLM.generate``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The comparison ``kvblocks bench`` makes: the same engine and workload with the Rust block
-manager and with its pure-Python twin, fair by construction.
+manager and with its pure-Python reference, fair by construction.
 
 - Every backend first runs the workload once, untimed (torch's first calls, the allocator,
   CPython's specialising interpreter and the CPU caches warm up on it, not on a timed run).

@@ -49,7 +49,7 @@ def print_report(result: Comparison) -> None:
         f"{_spread(book, '.1f', 'x')}\n"
         f"Rust speed-up end to end (bookkeeping + model):                        "
         f"{_spread(wall, '.2f', 'x')}\n"
-        f"(each: the twin's time over Rust's within a round, where the two ran back to back;\n"
+        f"(each: the reference's time over Rust's within a round, where the two ran back to back;\n"
         f"end to end, the model's time, the same torch code for both backends, dominates)"
     )
 
@@ -63,7 +63,7 @@ def plot(result: Comparison, path: str) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [{"rust": "Rust", "python": "Python twin"}[b] for b in result.backends]
+    names = [{"rust": "Rust", "python": "Python reference"}[b] for b in result.backends]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
     panels = (
         (left, lambda r: r.stats.bookkeeping_s * 1e3, "#d95f5f", "bookkeeping (kvblocks)"),
@@ -83,7 +83,7 @@ def plot(result: Comparison, path: str) -> Any:
         book = result.ratio("python", "rust", lambda r: r.stats.bookkeeping_s).median
         wall = result.ratio("python", "rust", lambda r: r.wall_s).median
         left.set_title(f"bookkeeping: Rust {book:.1f}x faster")
-        right.set_title(f"end to end: Rust {wall:.2f}x the twin's speed")
+        right.set_title(f"end to end: Rust {wall:.2f}x the reference's speed")
     fig.suptitle(f"kvblocks bench: median [min-max] of {result.rounds} rounds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,4 +1,4 @@
-"""A continuous-batching scheduler over one block manager (Rust or the twin).
+"""A continuous-batching scheduler over one block manager (Rust or the reference).
 
 The scheduler keeps policy only: the waiting queue and the running order, the per-step token
 budget and running-request cap, and finishing. Everything per request that the step needs

@@ -100,7 +100,7 @@ class ScheduledStep(NamedTuple):
 
 class BlockManagerProtocol(Protocol):
     """What a scheduler and the engine use of a block manager: ``kvblocks.BlockManager`` and
-    its pure-Python twin ``kvblocks.reference.BlockManager`` both satisfy it."""
+    its pure-Python reference ``kvblocks.reference.BlockManager`` both satisfy it."""
 
     @property
     def block_size(self) -> int: ...

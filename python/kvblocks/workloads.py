@@ -56,7 +56,7 @@ def hashing_prompt(num_tokens: int) -> list[int]:
 
 def hashing_hasher(module: Any, algo: str, *, block_size: int = HASHING_BLOCK_SIZE) -> Any:
     """The ``BlockHasher`` of the hashing workloads, from ``module`` (``kvblocks`` or its
-    pure-Python twin ``kvblocks.reference``)."""
+    pure-Python reference ``kvblocks.reference``)."""
     return module.BlockHasher(algo, block_size=block_size, seed=HASHER_SEED)
 
 

@@ -1,4 +1,4 @@
-"""The pure-Python twin of kvblocks' native API: the same classes, methods and results,
+"""The pure-Python reference for kvblocks' native API: the same classes, methods and results,
 written plainly the way vLLM does the work. It is the reference for correctness tests and
 the baseline for every benchmark. The vLLM algorithms need ``cbor2`` and ``xxhash``
 (``pip install ".[reference]"`` in a kvblocks checkout)."""

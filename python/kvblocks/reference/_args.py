@@ -1,4 +1,4 @@
-"""Argument checks of the twin, raising what the native glue raises for the same input."""
+"""Argument checks of the reference, raising what the native glue raises for the same input."""
 
 from __future__ import annotations
 

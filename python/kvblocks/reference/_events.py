@@ -1,4 +1,4 @@
-"""The twin's KV cache events that the manager builds (the pool queues the removals and
+"""The reference's KV cache events that the manager builds (the pool queues the removals and
 clears itself): the ``BlockStored`` of newly cached blocks, with their extra keys untagged the
 way vLLM reports them. ``stored_event`` takes what it reads as arguments; nothing here knows
 the manager."""

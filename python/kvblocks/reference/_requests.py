@@ -1,4 +1,4 @@
-"""What the twin holds per request, and how a request is named: shared by the manager
+"""What the reference holds per request, and how a request is named: shared by the manager
 (:mod:`.manager`, which owns the request table) and its batched step (:mod:`._step`)."""
 
 from __future__ import annotations

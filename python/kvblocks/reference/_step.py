@@ -1,4 +1,4 @@
-"""The twin's batched step: ``schedule_step`` as the per-request calls it stands for, the
+"""The reference's batched step: ``schedule_step`` as the per-request calls it stands for, the
 checks of the native ``plan_step`` before it, and ``lookup_batch``. The public functions take
 the manager first and are bound as :class:`~kvblocks.reference.manager.BlockManager` methods;
 what they use of it is :class:`StepManager` (this module does not import the manager)."""

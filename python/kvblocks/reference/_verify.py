@@ -1,4 +1,4 @@
-"""Token verification (``verify_tokens=True``): what the twin records of each cached block
+"""Token verification (``verify_tokens=True``): what the reference records of each cached block
 (its tokens, its parent block and its extra keys) and the check a prefix hit must pass with
 it, so that blocks whose keys collide are told apart. The manager owns a
 :class:`TokenVerifier`; nothing here knows the manager."""

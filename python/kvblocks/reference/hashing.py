@@ -1,4 +1,4 @@
-"""Pure-Python twin of :class:`kvblocks.BlockHasher`, hashing blocks the way vLLM 0.33 does:
+"""Pure-Python reference for :class:`kvblocks.BlockHasher`, hashing blocks the way vLLM 0.33 does:
 build the Python tuple ``(parent, tuple(tokens), extra_keys)``, serialize it with pickle or
 canonical CBOR, digest it with SHA-256 or XXH3-128."""
 

@@ -1,4 +1,4 @@
-"""Pure-Python twin of :class:`kvblocks.BlockManager`, written the way vLLM 0.33's
+"""Pure-Python reference for :class:`kvblocks.BlockManager`, written the way vLLM 0.33's
 ``BlockPool``, ``FreeKVCacheBlockQueue`` and ``KVCacheManager`` work for one full-attention
 group: a Python object per block, an intrusive linked list for the free queue, a dict from
 hash to blocks. It makes the same decisions as the Rust manager and raises the same errors.
@@ -60,7 +60,8 @@ class _Entry:
 
 
 class BlockManager:
-    """The twin of :class:`kvblocks.BlockManager` (same constructor, methods and decisions)."""
+    """The reference for :class:`kvblocks.BlockManager` (same constructor, methods and
+    decisions)."""
 
     def __init__(
         self,

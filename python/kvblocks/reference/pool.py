@@ -1,4 +1,4 @@
-"""The twin's block pool, written the way vLLM 0.33's ``KVCacheBlock``,
+"""The reference's block pool, written the way vLLM 0.33's ``KVCacheBlock``,
 ``FreeKVCacheBlockQueue`` and ``BlockPool`` work: a Python object per block, an intrusive
 linked list for the free queue, a dict from hash to blocks."""
 

@@ -1,4 +1,4 @@
-"""Pure-Python twin of :class:`kvblocks.TokenSequence`."""
+"""Pure-Python reference for :class:`kvblocks.TokenSequence`."""
 
 from __future__ import annotations
 

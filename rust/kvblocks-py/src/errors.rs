@@ -38,7 +38,7 @@ pub fn to_py(err: CoreError) -> PyErr {
     }
 }
 
-/// `repr(id)` as Python writes it (the twin's messages quote ids with `!r`); Rust's `{:?}`
+/// `repr(id)` as Python writes it (the reference's messages quote ids with `!r`); Rust's `{:?}`
 /// quotes and escapes differently.
 fn py_repr(id: &str) -> String {
     Python::attach(|py| PyString::new(py, id).repr().map(|r| r.to_string()))
