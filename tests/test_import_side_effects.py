@@ -52,7 +52,9 @@ for info in pkgutil.walk_packages(kvblocks.__path__, "kvblocks."):
         continue
     imported.append(info.name)
 has_vllm = importlib.util.find_spec("vllm") is not None
-print(json.dumps({"imported": imported, "missing": missing, "writes": writes, "has_vllm": has_vllm}))
+print(json.dumps(
+    {"imported": imported, "missing": missing, "writes": writes, "has_vllm": has_vllm}
+))
 """
 
 
