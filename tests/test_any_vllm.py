@@ -145,10 +145,10 @@ def test_the_plugin_leaves_vllm_alone_and_says_why_and_what_to_do(
     assert set(reasons) == {
         "hasher: a vLLM release this version of kvblocks does not support (vllm 0.99.0; to use "
         'kvblocks, install a kvblocks release that supports vllm 0.99.0, or pip install "vllm'
-        '>=0.33,<0.34")',
+        '>=0.33,<0.35")',
         "kv_cache_manager: a vLLM release this version of kvblocks does not support (vllm "
         "0.99.0; to use kvblocks, install a kvblocks release that supports vllm 0.99.0, or pip "
-        'install "vllm>=0.33,<0.34")',
+        'install "vllm>=0.33,<0.35")',
     }
     assert "nothing active" in unsupported["status"]
     assert "fallback x1: hasher: a vLLM release" in unsupported["status"]
@@ -156,7 +156,7 @@ def test_the_plugin_leaves_vllm_alone_and_says_why_and_what_to_do(
     (line,) = unsupported["messages"]
     assert line[0] == "WARNING"
     assert "not vllm 0.99.0" in line[1]
-    assert 'pip install "vllm>=0.33,<0.34"' in line[1]
+    assert 'pip install "vllm>=0.33,<0.35"' in line[1]
 
 
 def test_scheduler_cls_imports_and_says_what_is_missing(

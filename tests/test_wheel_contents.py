@@ -28,11 +28,13 @@ ALLOWLIST = {
     "kvblocks/kv_events.py",
     "kvblocks/stats.py",
     "kvblocks/step.py",
-    # kvblocks inside vLLM: the plugin, hasher, manager, scheduler hook, allowlist (support),
-    # status, the releases it supports and the fingerprints of the vLLM rules it reproduces.
+    # kvblocks inside vLLM: the plugin, hasher (and the prompt hasher for frontends), manager,
+    # scheduler hook, allowlist (support), status, the releases it supports and the
+    # fingerprints of the vLLM rules it reproduces.
     "kvblocks/vllm/__init__.py",
     "kvblocks/vllm/_state.py",
     "kvblocks/vllm/block_hasher.py",
+    "kvblocks/vllm/frontend.py",
     "kvblocks/vllm/kv_cache_manager.py",
     "kvblocks/vllm/scheduler.py",
     "kvblocks/vllm/support.py",
@@ -42,6 +44,7 @@ ALLOWLIST = {
     "kvblocks/vllm/fingerprints/extract.py",
     "kvblocks/vllm/fingerprints/ported.py",
     "kvblocks/vllm/fingerprints/vllm-0.33.0.json",
+    "kvblocks/vllm/fingerprints/vllm-0.34.0.json",
     # `kvblocks bench --engine vllm`: vLLM's scheduler on a tiny model with a fake model, no
     # KV connector and no drafter (those test doubles are in tests/vllm_driver).
     "kvblocks/vllm/bench/__init__.py",

@@ -318,6 +318,27 @@ def _print_logs(lines: list[str], heading: str) -> None:
         print("\n".join([heading, *("  " + line for line in lines)]), file=sys.stderr)
 
 
+def _manager_not_running() -> str | None:
+    """Why kvblocks' KV-cache manager does not run on the installed vLLM (the benchmark compares
+    it with vLLM's), from its fingerprints (a vLLM release it is not ported to yet, changed
+    sources); None when it runs, or when vLLM cannot be found (importing it says why)."""
+    import importlib.util
+
+    import kvblocks.vllm._state as _state
+    import kvblocks.vllm.fingerprints as fingerprints
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    stale = fingerprints.check().get("kv_cache_manager")
+    if stale is None:
+        return None
+    reason, detail = stale
+    return (
+        f"--engine vllm: kvblocks' KV-cache manager does not run on this vLLM: "
+        f"{_state.REASONS.get(reason, reason)} ({detail})"
+    )
+
+
 def bench_vllm(args: argparse.Namespace) -> int:
     """Stock vLLM 0.33 against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU)."""
     _engine_defaults(
@@ -343,6 +364,9 @@ def bench_vllm(args: argparse.Namespace) -> int:
     if version is not None and (refusal := unsupported_vllm(version)) is not None:
         # The driver builds vLLM's scheduler as the supported releases take it.
         print(f"--engine vllm: {refusal}", file=sys.stderr)
+        return 2
+    if (stale := _manager_not_running()) is not None:
+        print(stale, file=sys.stderr)
         return 2
     print("loading vLLM ...", file=sys.stderr, flush=True)
     # vLLM's imports and first configuration log their warnings here, once, before the bar.

@@ -1,7 +1,9 @@
-"""The test tier against the real vllm 0.33 wheel, on the CPU.
+"""The test tier against the real vllm wheels, on the CPU.
 
 Collected only where vllm can be imported, except that ``KVBLOCKS_REQUIRE_VLLM=1`` (set by
-``.ci/run``) turns a missing vllm into a failure instead of a skip."""
+``.ci/run``) turns a missing vllm into a failure instead of a skip. ``KVBLOCKS_EXPECT_VLLM``
+(set by ``.ci/run`` where it runs tier files against vLLM 0.34) names the version the run
+must find, so that a run meant for one release cannot pass on another."""
 
 from __future__ import annotations
 
@@ -21,7 +23,14 @@ if os.environ.get("KVBLOCKS_REQUIRE_VLLM") != "1":
 
 import kvblocks.vllm
 from kvblocks.vllm import _state
+from kvblocks.vllm.versions import installed_vllm_version
 from tests.vllm_driver import write_model_dir
+
+_EXPECTED = os.environ.get("KVBLOCKS_EXPECT_VLLM")
+if _EXPECTED and installed_vllm_version() != _EXPECTED:
+    raise RuntimeError(
+        f"KVBLOCKS_EXPECT_VLLM={_EXPECTED}, but the vllm found is {installed_vllm_version()}"
+    )
 
 
 @pytest.fixture(scope="session")

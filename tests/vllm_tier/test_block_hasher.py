@@ -8,13 +8,17 @@ request fell back)."""
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import logging
 import pickle
 import random
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import cbor2
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -34,6 +38,10 @@ from kvblocks.vllm.block_hasher import ALGORITHMS
 from tests.vllm_driver import make_request
 
 Hasher = Callable[[Request], list[bytes]]
+
+#: One past the largest token id a vLLM request holds: vLLM 0.34 keeps them in an int32
+#: buffer (vllm.v1.token_buffer), vLLM 0.33 in a list (kvblocks hashes any uint32 there).
+TOKEN_LIMIT = 2**31 if importlib.util.find_spec("vllm.v1.token_buffer") else 2**32
 
 
 class VllmHashCalls:
@@ -276,7 +284,7 @@ def test_lookahead_matches_vllm(
     stock, ours = both_hashers(algo, 4, lookahead)
     assert ours.__module__ == "kvblocks.vllm.block_hasher"
     rng = random.Random(f"{algo}-{lookahead}")
-    prompt = [rng.randrange(2**32) for _ in range(4 * 5 + 2)]
+    prompt = [rng.randrange(TOKEN_LIMIT) for _ in range(4 * 5 + 2)]
     calls = vllm_calls.count
     a = make_request("a", prompt, stock)
     assert vllm_calls.count - calls == (len(prompt) - lookahead) // 4
@@ -456,29 +464,58 @@ def test_fallback_overlapping_mm_items(vllm_calls: VllmHashCalls) -> None:
 
 def test_fallback_token_out_of_range(vllm_calls: VllmHashCalls) -> None:
     stock, ours = both_hashers("sha256_cbor", 4)
-    a, b, calls = counted_pair(stock, ours, [1, 2, -3, 4, 5, 6, 7, 2**40, 9], vllm_calls)
+    # (a token id past int32 only where vLLM's request can hold one: not in 0.34's buffer)
+    prompt = [1, 2, -3, 4, 5, 6, 7, 2**40 if TOKEN_LIMIT > 2**31 else 8, 9]
+    a, b, calls = counted_pair(stock, ours, prompt, vllm_calls)
     _check_fallback(a, b, "bad_field", calls)
 
 
 # Random requests.
 
+
+def extra_key_kwargs(
+    num_tokens: int,
+    salt: str | None,
+    lora: tuple[str, str] | None,
+    gaps: list[tuple[int, int, str]],
+) -> dict[str, Any]:
+    """A request's extra-key arguments, as decoding a request makes them (fresh string
+    objects): multimodal items after the given gaps (none if they run past the prompt)."""
+    features, position = [], 0
+    for gap, length, identifier in gaps:
+        features.append(_mm(fresh(identifier), position + gap, length))
+        position += gap + length
+    if position > num_tokens:
+        features = []
+    kwargs: dict[str, Any] = {"cache_salt": salt, "mm_features": features}
+    if lora is not None:
+        kwargs["lora_request"] = LoRARequest(fresh(lora[0]), 1, fresh(lora[1]))
+    return kwargs
+
+
 features_strategy = st.lists(
     st.tuples(st.integers(0, 12), st.integers(1, 20), st.sampled_from(["i0", "i1", "i2"])),
     max_size=3,
 )
+#: A random request's hashing configuration and prompt (with :func:`extra_key_kwargs`).
+REQUEST_STRATEGIES: dict[str, Any] = {
+    "algo": st.sampled_from(ALGORITHMS),
+    "block_size": st.sampled_from([1, 2, 3, 4, 16]),
+    "prompt": st.lists(st.integers(0, TOKEN_LIMIT - 1), max_size=80),
+    "salt": st.sampled_from([None, "", "salt", "é"]),
+    "lora": st.sampled_from([None, ("n", "/p"), ("adapter", "x")]),
+    "gaps": features_strategy,
+    "lookahead": st.sampled_from([0, 0, 1, 2, 3, 5]),
+}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    algo=st.sampled_from(ALGORITHMS),
-    block_size=st.sampled_from([1, 2, 3, 4, 16]),
-    prompt=st.lists(st.integers(0, 2**32 - 1), max_size=80),
-    appends=st.lists(st.lists(st.integers(0, 2**31), min_size=1, max_size=9), max_size=12),
-    salt=st.sampled_from([None, "", "salt", "é"]),
-    lora=st.sampled_from([None, ("n", "/p"), ("adapter", "x")]),
-    gaps=features_strategy,
+    **REQUEST_STRATEGIES,
+    appends=st.lists(
+        st.lists(st.integers(0, TOKEN_LIMIT - 1), min_size=1, max_size=9), max_size=12
+    ),
     truncate_at=st.integers(0, 30),
-    lookahead=st.sampled_from([0, 0, 1, 2, 3, 5]),
 )
 def test_random_requests_match_vllm(
     algo: str,
@@ -493,16 +530,7 @@ def test_random_requests_match_vllm(
 ) -> None:
     kvblocks.vllm.uninstall()
     stock, ours = both_hashers(algo, block_size, lookahead)
-    features, position = [], 0
-    for gap, length, identifier in gaps:
-        # fresh string objects, as decoded from a request
-        features.append(_mm(fresh(identifier), position + gap, length))
-        position += gap + length
-    if position > len(prompt):
-        features = []
-    kwargs: dict[str, Any] = {"cache_salt": salt, "mm_features": features}
-    if lora is not None:
-        kwargs["lora_request"] = LoRARequest(fresh(lora[0]), 1, fresh(lora[1]))
+    kwargs = extra_key_kwargs(len(prompt), salt, lora, gaps)
     a, b = pair(stock, ours, prompt, **kwargs)
     assert b.block_hashes == a.block_hashes
     for i, tokens in enumerate(appends):
@@ -513,6 +541,99 @@ def test_random_requests_match_vllm(
             del b.block_hashes[truncate_at:]
         assert b.block_hashes == a.block_hashes
     assert fallbacks() == {}
+
+
+# Prompt block hashes computed by a frontend or router (vLLM 0.34's EngineCoreRequest.
+# block_hashes), with the engine's PrefixHashConfig.
+
+PrefixHashConfig = getattr(importlib.import_module("vllm.v1.engine"), "PrefixHashConfig", None)
+needs_frontend_hashes = pytest.mark.skipif(
+    PrefixHashConfig is None,
+    reason="vLLM 0.33 takes no frontend block hashes (EngineCoreRequest.block_hashes is "
+    "vLLM 0.34's); .ci/run runs this file on vLLM 0.34 too",
+)
+
+
+@needs_frontend_hashes
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    **REQUEST_STRATEGIES,
+    appends=st.lists(st.lists(st.integers(0, TOKEN_LIMIT - 1), min_size=1, max_size=9), max_size=6),
+    as_array=st.booleans(),
+)
+def test_prompt_block_hasher_gives_the_engines_hashes(
+    algo: str,
+    block_size: int,
+    prompt: list[int],
+    appends: list[list[int]],
+    salt: str | None,
+    lora: tuple[str, str] | None,
+    gaps: list[tuple[int, int, str]],
+    lookahead: int,
+    as_array: bool,
+) -> None:
+    """kvblocks.vllm.PromptBlockHasher, built from the engine's PrefixHashConfig, gives the
+    hashes vLLM's own hasher gives the prompt; vLLM's engine accepts them (their count), and
+    a request started with them (kvblocks' hasher continuing) hashes as vLLM's throughout."""
+    from vllm.v1.core.kv_cache_utils import frontend_block_hashes
+
+    kvblocks.vllm.uninstall()
+    stock, ours = both_hashers(algo, block_size, lookahead)
+    config = PrefixHashConfig(
+        hash_algo=algo,
+        hash_block_size=block_size,
+        none_hash=kv_cache_utils.NONE_HASH,
+        num_lookahead_tokens=lookahead,
+    )
+    kwargs = extra_key_kwargs(len(prompt), salt, lora, gaps)
+    tokens: Any = np.array(prompt, dtype=np.int32) if as_array else prompt
+    computed = kvblocks.vllm.PromptBlockHasher(config).block_hashes(tokens, **kwargs)
+    engine = make_request("a", prompt, stock, **kwargs)
+    assert computed == engine.block_hashes
+    sent = SimpleNamespace(block_hashes=computed, prompt_token_ids=tokens)
+    assert frontend_block_hashes(sent, config) == computed  # the engine keeps them
+    continued = make_request("b", prompt, ours, block_hashes=list(computed), **kwargs)
+    for output in appends:
+        engine.append_output_token_ids(output)
+        continued.append_output_token_ids(output)
+        assert continued.block_hashes == engine.block_hashes
+    assert fallbacks() == {}
+
+
+@needs_frontend_hashes
+def test_prompt_block_hasher_declines_where_it_would_not_be_exact() -> None:
+    """One string object twice in a pickled algorithm's extra keys: vLLM's pickle writes a
+    back-reference kvblocks' encoder does not reproduce, so no hashes (the engine hashes)."""
+    path = "/adapters/same"
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
+    config = PrefixHashConfig(
+        hash_algo="sha256",
+        hash_block_size=4,
+        none_hash=kv_cache_utils.NONE_HASH,
+        num_lookahead_tokens=0,
+    )
+    hasher = kvblocks.vllm.PromptBlockHasher(config)
+    assert hasher.block_hashes(list(range(13)), lora_request=LoRARequest(path, 1, path)) is None
+    assert hasher.block_hashes(list(range(13)), lora_request=LoRARequest(path, 1, fresh(path)))
+
+
+def test_prompt_block_hasher_refuses_a_config_it_cannot_follow() -> None:
+    good = {
+        "hash_algo": "sha256_cbor",
+        "hash_block_size": 16,
+        "none_hash": bytes(32),
+        "num_lookahead_tokens": 0,
+    }
+    assert kvblocks.vllm.PromptBlockHasher(SimpleNamespace(**good)).block_hashes([1] * 20)
+    for field, value, message in [
+        ("hash_algo", "md5", "hash_algo must be one of"),
+        ("hash_block_size", 0, "hash_block_size must be a positive int"),
+        ("num_lookahead_tokens", -1, "num_lookahead_tokens must be an int >= 0"),
+        ("none_hash", bytes(16), "none_hash must be the engine's NONE_HASH, 32 bytes"),
+        ("none_hash", "x" * 32, "none_hash must be the engine's NONE_HASH"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            kvblocks.vllm.PromptBlockHasher(SimpleNamespace(**{**good, field: value}))
 
 
 # Unexpected errors in kvblocks' own code: vLLM's hasher, the error named.
@@ -566,7 +687,7 @@ def test_an_error_hashing_a_request_falls_back(
 
 def test_bad_field_fallback_names_the_error(vllm_calls: VllmHashCalls) -> None:
     stock, ours = both_hashers("sha256_cbor", 4)
-    a, b, calls = counted_pair(stock, ours, [1, 2, 3, 2**40, 5], vllm_calls)
+    a, b, calls = counted_pair(stock, ours, [1, 2, 3, -4, 5], vllm_calls)
     assert b.block_hashes == a.block_hashes
     _check_fallback(a, b, "bad_field", calls)
     (text,) = kvblocks.vllm.status().fallbacks

@@ -9,6 +9,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +25,13 @@ from kvblocks.vllm import _state, fingerprints
 from kvblocks.vllm.block_hasher import get_request_block_hasher
 from kvblocks.vllm.fingerprints import __main__ as fingerprints_cli
 from kvblocks.vllm.fingerprints import extract
-from kvblocks.vllm.fingerprints.ported import PORTED
+from kvblocks.vllm.fingerprints.ported import PORTED, sources
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from tests.vllm_driver import SchedulerSpec, block_hasher, make_scheduler
 
 VERSION = "0.33.0"
 STORED = fingerprints.stored_path(VERSION)
+NEXT_STORED = fingerprints.stored_path("0.34.0")
 KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
 #: An allocation-rule change a patch release could make: usage counts the null block.
 POOL_EDIT = ("vllm/v1/core/block_pool.py", "self.num_gpu_blocks - 1\n", "self.num_gpu_blocks\n")
@@ -51,7 +53,7 @@ def _fresh_check() -> Iterator[None]:
 def vllm_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A copy of the fingerprinted vllm files, which the check then reads instead."""
     real = fingerprints.vllm_root()
-    for path in {s.path for sources in PORTED.values() for s in sources}:
+    for path in {s.path for part in PORTED for s in sources(part, VERSION)}:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(real / path, tmp_path / path)
     monkeypatch.setattr(fingerprints, "vllm_root", lambda: tmp_path)
@@ -86,8 +88,8 @@ def test_stored_fingerprints_match_an_independent_reading() -> None:
     against hashlib over ``inspect.getsource``."""
     root = fingerprints.vllm_root()
     checked = 0
-    for part, sources in fingerprints.load(STORED)["parts"].items():
-        for path, entry in sources.items():
+    for part, stored in fingerprints.load(STORED)["parts"].items():
+        for path, entry in stored.items():
             assert entry["sha256"] == hashlib.sha256((root / path).read_bytes()).hexdigest()
             if "mentions" in entry:
                 continue
@@ -103,14 +105,41 @@ def test_stored_fingerprints_match_an_independent_reading() -> None:
 def test_fingerprint_files_are_package_data() -> None:
     """Next to the module that reads them, under the name it looks for."""
     assert STORED.parent == Path(fingerprints.__file__).parent
-    assert fingerprints.stored_versions() == [VERSION]
+    assert fingerprints.stored_versions() == [VERSION, "0.34.0"]
     assert fingerprints.stored_path("0.33.0+cu129") == STORED
 
 
 def test_every_part_source_appears_once() -> None:
-    for sources in PORTED.values():
-        paths = [s.path for s in sources]
+    """Among the sources of every release, a file is listed once per part; a file a release
+    adds objects of is listed again only for that release."""
+    for entries in PORTED.values():
+        paths = [s.path for s in entries if not s.releases]
         assert len(paths) == len(set(paths))
+        for release in {r for s in entries for r in s.releases}:
+            paths = [s.path for s in entries if release in s.releases]
+            assert len(paths) == len(set(paths))
+
+
+def test_the_sources_of_a_release() -> None:
+    """What vLLM 0.34 added is fingerprinted there only, merged with the file's other
+    objects (one entry per file)."""
+    old = {s.path: s for s in sources("hasher", "0.33.0")}
+    new = {s.path: s for s in sources("hasher", "0.34.1+cu130")}
+    added = {"vllm/v1/token_buffer.py", "vllm/v1/engine/__init__.py"}
+    assert set(new) - set(old) == added
+    assert not added & set(old)
+    assert new["vllm/v1/token_buffer.py"].whole_file
+    added_objects = set(new[KV_CACHE_UTILS].objects) - set(old[KV_CACHE_UTILS].objects)
+    assert added_objects == {"frontend_block_hashes"}
+    assert "frontend_block_hashes" not in old[KV_CACHE_UTILS].objects
+    core = "vllm/v1/engine/core.py"
+    assert new[core].mentions == (
+        *old[core].mentions,
+        "frontend_block_hashes",
+        "prefix_hash_config",
+    )
+    assert all(not s.releases for s in new.values())
+    assert {r for entries in PORTED.values() for s in entries for r in s.releases} == {"0.34"}
 
 
 # -- the check is cheap ------------------------------------------------------------------
@@ -263,13 +292,47 @@ def test_missing_file_is_seen(vllm_copy: Path) -> None:
 # -- no fingerprints, or unusable ones ---------------------------------------------------------
 
 
-def test_unknown_version_turns_everything_off(
-    monkeypatch: pytest.MonkeyPatch, model_dir: Path, caplog: pytest.LogCaptureFixture
+def test_patch_release_with_the_same_sources_runs(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path
 ) -> None:
+    """0.33.9, whose sources are 0.33.0's: compared with 0.33.0's fingerprints, it runs."""
+    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.33.9")
+    assert fingerprints.check() == {}
+    kvblocks.vllm.install()
+    assert kv_cache_utils.get_request_block_hasher.__module__ == OURS
+    assert manager_type(model_dir) is KVCacheManager
+    assert "kv_cache_manager" in kvblocks.vllm.status().active
+    assert kvblocks.vllm.status().fallbacks == {}
+
+
+def test_patch_release_with_changed_sources_says_against_what(
+    vllm_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.33.9")
+    edit(vllm_copy, *POOL_EDIT)
+    assert fingerprints.check() == {
+        "kv_cache_manager": (
+            "vllm_sources",
+            "vllm 0.33.9 (against 0.33.0's sources): vllm/v1/core/block_pool.py",
+        )
+    }
+
+
+def test_unknown_version_turns_everything_off(
+    monkeypatch: pytest.MonkeyPatch,
+    model_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+) -> None:
+    """A supported release with no fingerprint file of its major.minor (here 0.33's file is
+    taken away): both parts off, naming what kvblocks has."""
+    shutil.copyfile(NEXT_STORED, tmp_path / NEXT_STORED.name)
+    monkeypatch.setattr(fingerprints, "DIRECTORY", tmp_path)
     monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.33.9")
     lines = install_logging(caplog)
     assert len(lines) == 2
-    assert all("no fingerprints of vllm 0.33.9 (kvblocks has: 0.33.0)" in line for line in lines)
+    known = "no fingerprints of vllm 0.33.9 (kvblocks has: 0.34.0)"
+    assert all(known in line for line in lines)
     assert kv_cache_utils.get_request_block_hasher.__module__ == STOCK
     assert manager_type(model_dir) is VllmKVCacheManager
     status = kvblocks.vllm.status()
@@ -370,3 +433,101 @@ def test_extract_counts_decorators_and_rejects_deep_names() -> None:
     assert module.objects(["g", "C.q", "D.p"]) == {}
     with pytest.raises(ValueError):
         module.objects(["A.B.c"])
+
+
+# -- a release kvblocks is ported to part by part ------------------------------------------------
+
+NEXT = os.environ.get("KVBLOCKS_NEXT_VLLM")
+needs_next = pytest.mark.skipif(
+    NEXT is None, reason="KVBLOCKS_NEXT_VLLM names no vLLM 0.34 tree (.ci/run installs one)"
+)
+
+
+def test_a_part_the_release_file_lacks_falls_back_naming_the_ported_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dir: Path
+) -> None:
+    """A release whose fingerprint file holds the hasher only (as 0.34.0's does): the hasher
+    runs, the manager is vLLM's, and status() says it is not ported there yet."""
+    document = fingerprints.compute(fingerprints.vllm_root(), VERSION, ["hasher"])
+    (tmp_path / STORED.name).write_text(json.dumps(document), encoding="utf-8")
+    monkeypatch.setattr(fingerprints, "DIRECTORY", tmp_path)
+    assert fingerprints.not_ported(document) == ["kv_cache_manager"]
+    assert fingerprints.check(VERSION) == {
+        "kv_cache_manager": (
+            "not_ported",
+            "vllm 0.33.0; ported there: hasher; see docs/porting.md",
+        )
+    }
+    kvblocks.vllm.install()
+    assert kv_cache_utils.get_request_block_hasher.__module__ == OURS
+    assert manager_type(model_dir) is VllmKVCacheManager
+    (text,) = kvblocks.vllm.status().fallbacks
+    assert text.startswith("kv_cache_manager: kvblocks supports this vLLM release, but this part ")
+
+
+def test_cli_writes_the_parts_ported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    args = ["--version", "0.33.7", "--dir", str(store), "--write"]
+    assert fingerprints_cli.main([*args, "--parts", "hasher"]) == 0
+    written = fingerprints.load(store / "vllm-0.33.7.json")
+    assert list(written["parts"]) == ["hasher"]
+    capsys.readouterr()
+    assert fingerprints_cli.main(["--version", "0.33.7", "--dir", str(store)]) == 0
+    assert "kv_cache_manager: not ported to vllm 0.33.7" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        fingerprints_cli.main([*args, "--parts", "hasher,nope"])
+    assert "no part nope" in capsys.readouterr().err
+
+
+@needs_next
+def test_the_stored_0_34_fingerprints_are_vllm_0_34s() -> None:
+    """The 0.34.0 file holds the hasher only, computed from the real 0.34.0 tree: the whole
+    files' digests against hashlib over the files."""
+    assert NEXT is not None
+    root = Path(NEXT)
+    stored = fingerprints.load(NEXT_STORED)
+    assert stored["vllm"] == "0.34.0"
+    assert fingerprints.not_ported(stored) == ["kv_cache_manager"]
+    assert fingerprints.compute(root, "0.34.0", ["hasher"]) == stored
+    assert fingerprints.changes(stored, root) == {}
+    for path, entry in stored["parts"]["hasher"].items():
+        assert entry["sha256"] == hashlib.sha256((root / path).read_bytes()).hexdigest()
+    assert {s.path for s in sources("hasher", "0.34.0")} == set(stored["parts"]["hasher"])
+
+
+#: Statements vLLM 0.34 added that kvblocks' hasher relies on, each changed the way a patch
+#: release could: the hasher must step aside, naming the source.
+NEXT_EDITS = {
+    "token_buffer": (
+        "vllm/v1/token_buffer.py",
+        'return super().__new__(cls, "i", tokens)',
+        'return super().__new__(cls, "l", tokens)',
+        "vllm/v1/token_buffer.py",
+    ),
+    "frontend_block_hashes": (
+        KV_CACHE_UTILS,
+        "max(prompt_len - prefix_hash_config.num_lookahead_tokens, 0)",
+        "max(prompt_len, 0)",
+        f"{KV_CACHE_UTILS}::frontend_block_hashes",
+    ),
+    "engine_core_frontend_hashes": (
+        "vllm/v1/engine/core.py",
+        "frontend_hashes = frontend_block_hashes(request, self.prefix_hash_config)",
+        "frontend_hashes = frontend_block_hashes(request, None)",
+        "vllm/v1/engine/core.py::EngineCore.preprocess_add_request",
+    ),
+}
+
+
+@needs_next
+@pytest.mark.parametrize("case", list(NEXT_EDITS))
+def test_a_changed_0_34_statement_turns_the_hasher_off(case: str, tmp_path: Path) -> None:
+    assert NEXT is not None
+    for source in sources("hasher", "0.34.0"):
+        (tmp_path / source.path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(NEXT) / source.path, tmp_path / source.path)
+    path, old, new, named = NEXT_EDITS[case]
+    edit(tmp_path, path, old, new)
+    found = fingerprints.changes(fingerprints.load(NEXT_STORED), tmp_path)
+    assert found == {"hasher": [fingerprints.Change("changed", named)]}

@@ -74,7 +74,7 @@ def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unsupported_vllm_version_changes_nothing(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.34.1")
+    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.35.0")
     monkeypatch.delenv("KVBLOCKS_VLLM", raising=False)
     with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
         kvblocks.vllm.register()
@@ -84,18 +84,18 @@ def test_unsupported_vllm_version_changes_nothing(
     assert status.active == {}
     # The refusal is a fallback of each part, with what to do.
     assert sorted(status.fallbacks) == [
-        f"{part}: a vLLM release this version of kvblocks does not support (vllm 0.34.1; to "
-        "use kvblocks, install a kvblocks release that supports vllm 0.34.1, or pip install "
-        '"vllm>=0.33,<0.34")'
+        f"{part}: a vLLM release this version of kvblocks does not support (vllm 0.35.0; to "
+        "use kvblocks, install a kvblocks release that supports vllm 0.35.0, or pip install "
+        '"vllm>=0.33,<0.35")'
         for part in ("hasher", "kv_cache_manager")
     ]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "not vllm 0.34.1" in warnings[0].getMessage()
-    assert 'pip install "vllm>=0.33,<0.34"' in warnings[0].getMessage()
+    assert "not vllm 0.35.0" in warnings[0].getMessage()
+    assert 'pip install "vllm>=0.33,<0.35"' in warnings[0].getMessage()
     kvblocks.vllm.register()  # vLLM loads plugins in each process it starts: still one line
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
-    with pytest.raises(ImportError, match=r"not vllm 0\.34\.1"):
+    with pytest.raises(ImportError, match=r"not vllm 0\.35\.0"):
         kvblocks.vllm.install()
 
 
@@ -107,7 +107,7 @@ def test_scheduler_cls_on_an_unsupported_vllm_builds_vllms_manager(
     from tests.vllm_driver import make_scheduler
 
     kvblocks.vllm.uninstall()
-    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.34.1")
+    monkeypatch.setattr(kvblocks.vllm.versions, "installed_vllm_version", lambda: "0.35.0")
     spec = SchedulerSpec(block_size=16, num_blocks=64)
     with caplog.at_level(logging.WARNING, logger="vllm.kvblocks"):
         for cls in (kvblocks.vllm.Scheduler, kvblocks.vllm.AsyncScheduler):
@@ -120,7 +120,7 @@ def test_scheduler_cls_on_an_unsupported_vllm_builds_vllms_manager(
     assert count == 2
     (warning,) = [r for r in caplog.records if r.name == "vllm.kvblocks"]
     assert warning.levelno == logging.WARNING
-    assert "not vllm 0.34.1" in warning.getMessage()
+    assert "not vllm 0.35.0" in warning.getMessage()
 
 
 def test_bad_mode(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

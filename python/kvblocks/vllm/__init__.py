@@ -37,6 +37,7 @@ __all__ = [
     "SUPPORTED_VLLM",
     "AsyncScheduler",
     "KVCacheManager",
+    "PromptBlockHasher",
     "Scheduler",
     "Status",
     "install",
@@ -53,6 +54,10 @@ def __getattr__(name: str) -> object:
         import kvblocks.vllm.scheduler as scheduler
 
         return getattr(scheduler, name)
+    if name == "PromptBlockHasher":
+        from kvblocks.vllm.frontend import PromptBlockHasher
+
+        return PromptBlockHasher
     if name == "KVCacheManager":
         from kvblocks.vllm.kv_cache_manager import KVCacheManager
 

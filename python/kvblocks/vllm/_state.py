@@ -63,10 +63,11 @@ class Reason(StrEnum):
     LOOKAHEAD_WITHOUT_FULL = "lookahead_without_full"
     VLLM_REJECTS = "vllm_rejects"
     GUARD_ERROR = "guard_error"
-    # either part (see kvblocks.vllm.fingerprints and kvblocks.vllm.unsupported_vllm)
+    # either part (see kvblocks.vllm.fingerprints and kvblocks.vllm.versions)
     VLLM_VERSION = "vllm_version"
     VLLM_SOURCES = "vllm_sources"
     VLLM_UNKNOWN = "vllm_unknown"
+    NOT_PORTED = "not_ported"
 
     @property
     def text(self) -> str:
@@ -112,6 +113,7 @@ _TEXTS = {
     Reason.VLLM_SOURCES: "the vLLM sources it reproduces differ from the release it was ported "
     "from",
     Reason.VLLM_UNKNOWN: "no usable fingerprints of this vLLM release's sources",
+    Reason.NOT_PORTED: "kvblocks supports this vLLM release, but this part is not ported to it yet",
 }
 
 #: Short name -> text, for every :class:`Reason`.

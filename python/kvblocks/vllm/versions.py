@@ -14,8 +14,9 @@ from importlib.metadata import PackageNotFoundError, version
 import kvblocks.vllm._state as _state
 from kvblocks.vllm._state import Reason
 
-#: The vLLM releases this version of kvblocks reproduces: ``>= 0.33, < 0.34``.
-SUPPORTED_VLLM = ((0, 33), (0, 34))
+#: The vLLM releases this version of kvblocks supports: ``>= 0.33, < 0.35``. Which of its
+#: parts run on each is in the release's fingerprint file (kvblocks.vllm.fingerprints).
+SUPPORTED_VLLM = ((0, 33), (0, 35))
 
 
 def installed_vllm_version() -> str | None:
@@ -36,7 +37,7 @@ def _supported(version: str) -> bool:
 
 
 def supported_range() -> str:
-    """:data:`SUPPORTED_VLLM` as a pip requirement's specifier: ``>=0.33,<0.34``."""
+    """:data:`SUPPORTED_VLLM` as a pip requirement's specifier: ``>=0.33,<0.35``."""
     low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
     return f">={low},<{high}"
 

@@ -170,16 +170,21 @@ def model_output(
     """A model runner's output: ``sampled[i]`` is what request ``req_ids[i]`` sampled;
     ``kv_connector_output``, what the KV connector's worker side reported."""
     select_cpu_platform()
+    from dataclasses import fields
+
     from vllm.v1.outputs import ModelRunnerOutput
 
+    extra: dict[str, Any] = {}
+    if "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}:  # vLLM 0.33's
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(
         req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=sampled,
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
         kv_connector_output=kv_connector_output,
+        **extra,
     )
 
 
@@ -208,7 +213,8 @@ def snapshot(out: SchedulerOutput, decisions: Decisions | None = None) -> tuple[
                 strict=True,
             )
         ),
-        sorted(cached.resumed_req_ids),
+        # (vLLM 0.34 sends a resumed request again as a new one, with all its blocks)
+        sorted(getattr(cached, "resumed_req_ids", ())),
         sorted(out.finished_req_ids),
         sorted(out.preempted_req_ids or ()),
         sorted((r, list(t)) for r, t in out.scheduled_spec_decode_tokens.items()),

@@ -1,11 +1,13 @@
 """Which vLLM exactly: fingerprints of the vLLM sources each kvblocks part reproduces.
 
 For every vLLM release kvblocks reproduces, ``vllm-<version>.json`` beside this file holds
-the sha256 of each source :mod:`.ported` lists, by part. :func:`check` compares them with the
-installed vllm's files (found from the package's location, read, never imported): a part
-whose sources differ, or any part of a vLLM release without a fingerprint file, falls back to
-vLLM's own code. A patch release can change an allocation rule without changing a signature;
-this is what notices.
+the sha256 of each source :mod:`.ported` lists for that release, by part: the parts kvblocks
+is ported to there (a release may hold fewer parts than another while a port is under way).
+:func:`check` compares them with the installed vllm's files (found from the package's
+location, read, never imported): a part whose sources differ, a part the file does not hold,
+or any part of a vLLM release without a fingerprint file, falls back to vLLM's own code. A
+patch release can change an allocation rule without changing a signature; this is what
+notices.
 
 The check reads a handful of files once per process (about a millisecond: each file's own
 hash is compared first, and only a file that differs is parsed to see which objects changed)
@@ -24,9 +26,19 @@ from typing import Any
 
 from kvblocks.vllm._state import Reason
 from kvblocks.vllm.fingerprints.extract import Module, sha256
-from kvblocks.vllm.fingerprints.ported import PORTED, Source
+from kvblocks.vllm.fingerprints.ported import PORTED, Source, release, sources
 
-__all__ = ["FORMAT", "Change", "changes", "check", "compute", "forget", "load", "stored_path"]
+__all__ = [
+    "FORMAT",
+    "Change",
+    "changes",
+    "check",
+    "compute",
+    "forget",
+    "load",
+    "not_ported",
+    "stored_path",
+]
 
 #: The version of the file layout below.
 FORMAT = 1
@@ -90,14 +102,19 @@ def _entry(source: Source, data: bytes) -> dict[str, Any]:
     return entry
 
 
-def compute(root: Path, version: str) -> Document:
-    """The fingerprints of the vllm sources under ``root``: what ``--write`` stores. Raises
-    ``LookupError`` when a ported object is missing, ``OSError`` when a file is."""
-    parts = {
-        part: {s.path: _entry(s, (root / s.path).read_bytes()) for s in sources}
-        for part, sources in PORTED.items()
+def compute(root: Path, version: str, parts: list[str] | None = None) -> Document:
+    """The fingerprints of the vllm sources under ``root`` (vLLM ``version``) of ``parts``
+    (default: every part): what ``--write`` stores. Raises ``LookupError`` when a ported
+    object is missing or a part unknown, ``OSError`` when a file is missing."""
+    unknown = sorted(set(parts or ()) - set(PORTED))
+    if unknown:
+        raise LookupError(f"no part {', '.join(unknown)}; the parts: {', '.join(PORTED)}")
+    stored = {
+        part: {s.path: _entry(s, (root / s.path).read_bytes()) for s in sources(part, version)}
+        for part in PORTED
+        if parts is None or part in parts
     }
-    return {"format": FORMAT, "vllm": public_version(version), "parts": parts}
+    return {"format": FORMAT, "vllm": public_version(version), "parts": stored}
 
 
 def load(path: Path) -> Document:
@@ -159,14 +176,26 @@ def source_changes(source: Source, entry: dict[str, Any] | None, root: Path) -> 
 
 
 def changes(document: Document, root: Path) -> dict[str, list[Change]]:
-    """Part -> how the sources it reproduces under ``root`` differ from ``document``."""
+    """Part -> how the sources it reproduces under ``root`` differ from ``document`` (the
+    sources of the document's release; only the parts the document holds)."""
     out: dict[str, list[Change]] = {}
-    for part, sources in PORTED.items():
-        stored = document["parts"].get(part, {})
-        found = [c for s in sources for c in source_changes(s, stored.get(s.path), root)]
+    version = str(document.get("vllm", ""))
+    for part in PORTED:
+        stored = document["parts"].get(part)
+        if stored is None:
+            continue
+        found = [
+            c for s in sources(part, version) for c in source_changes(s, stored.get(s.path), root)
+        ]
         if found:
             out[part] = found
     return out
+
+
+def not_ported(document: Document) -> list[str]:
+    """The parts a fingerprint file does not hold: kvblocks is not ported to that release for
+    them (yet)."""
+    return [part for part in PORTED if part not in document["parts"]]
 
 
 _lock = threading.Lock()
@@ -206,16 +235,30 @@ def _all(reason: Reason, detail: str) -> dict[str, tuple[str, str]]:
 def _check(root: Path, version: str) -> dict[str, tuple[str, str]]:
     path = stored_path(version)
     if not path.exists():
-        known = ", ".join(stored_versions()) or "none"
-        return _all(
-            Reason.VLLM_UNKNOWN, f"no fingerprints of vllm {version} (kvblocks has: {known})"
-        )
+        # A patch release runs where its sources are those of a fingerprinted release of the
+        # same major.minor (the newest): the comparison decides, as for any release.
+        same_release = [v for v in stored_versions() if release(v) == release(version)]
+        if not same_release:
+            known = ", ".join(stored_versions()) or "none"
+            return _all(
+                Reason.VLLM_UNKNOWN, f"no fingerprints of vllm {version} (kvblocks has: {known})"
+            )
+        path = stored_path(same_release[-1])
     try:
         document = load(path)
         found = changes(document, root)
     except Exception as error:
         return _all(Reason.VLLM_UNKNOWN, f"{path.name} unusable: {error}")
-    return {
-        part: (Reason.VLLM_SOURCES, f"vllm {version}: {', '.join(map(str, diffs))}")
+    compared = public_version(str(document.get("vllm", "")))
+    against = "" if compared == public_version(version) else f" (against {compared}'s sources)"
+    result: dict[str, tuple[str, str]] = {
+        part: (Reason.VLLM_SOURCES, f"vllm {version}{against}: {', '.join(map(str, diffs))}")
         for part, diffs in found.items()
     }
+    ported = ", ".join(document["parts"]) or "none"
+    for part in not_ported(document):
+        result[part] = (
+            Reason.NOT_PORTED,
+            f"vllm {public_version(version)}; ported there: {ported}; see docs/porting.md",
+        )
+    return result

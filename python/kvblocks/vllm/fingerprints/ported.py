@@ -9,11 +9,15 @@ scheduler makes, with the arguments it passes, but the scheduler's own decisions
 calls are vLLM's code in both cases). What a part only calls, as vLLM's own manager would
 call it (``generate_block_hash_extra_keys`` for events, ``get_kv_cache_spec_kind``), is not
 covered: a change there reaches both sides alike.
+
+A source may belong to some releases only (``releases``): a file or an object a later vLLM
+added, which kvblocks reproduces there. The sources of one part in one release are those that
+apply to it, one per file (:func:`sources`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,11 @@ class Source:
     objects: tuple[str, ...] = ()
     #: Words: the statements of each function or method that name one of them.
     mentions: tuple[str, ...] = ()
+    #: The releases (``"0.34"``: major.minor) whose sources hold this; empty: every release.
+    releases: tuple[str, ...] = ()
+
+    def applies(self, version: str) -> bool:
+        return not self.releases or release(version) in self.releases
 
     @property
     def whole_file(self) -> bool:
@@ -78,6 +87,21 @@ PORTED: dict[str, tuple[Source, ...]] = {
         ),
         # How EngineCore seeds NONE_HASH and builds the hasher.
         Source("vllm/v1/engine/core.py", mentions=("get_request_block_hasher", "init_none_hash")),
+        # vLLM 0.34: the request's tokens are an int32 TokenBuffer, which kvblocks reads in
+        # place through the buffer protocol (the stock hasher slices it with token_slice).
+        Source("vllm/v1/token_buffer.py", releases=("0.34",)),
+        # vLLM 0.34: a frontend may send the prompt's block hashes (EngineCoreRequest.
+        # block_hashes, computed with the engine's PrefixHashConfig); EngineCore keeps them
+        # when their count matches, the request starts with them, and the hasher continues
+        # from the first block they do not cover.
+        Source(_KV_CACHE_UTILS, objects=("frontend_block_hashes",), releases=("0.34",)),
+        Source(_REQUEST, objects=("Request.from_engine_core_request",), releases=("0.34",)),
+        Source(
+            "vllm/v1/engine/core.py",
+            mentions=("frontend_block_hashes", "prefix_hash_config"),
+            releases=("0.34",),
+        ),
+        Source("vllm/v1/engine/__init__.py", objects=("PrefixHashConfig",), releases=("0.34",)),
     ),
     "kv_cache_manager": (
         # kvblocks' manager replaces this file's KVCacheManager (and its KVCacheBlocks)
@@ -202,3 +226,30 @@ PORTED: dict[str, tuple[Source, ...]] = {
         ),
     ),
 }
+
+
+def release(version: str) -> str:
+    """A version's release, ``major.minor``: ``0.34.1+cu130`` -> ``0.34``."""
+    return ".".join(version.split("+", 1)[0].split(".")[:2])
+
+
+def sources(part: str, version: str) -> tuple[Source, ...]:
+    """The sources ``part`` reproduces in vLLM ``version``: those of :data:`PORTED` that apply
+    to it, one per file (the objects and mentions of the entries of one file merged; a whole
+    file stays whole)."""
+    merged: dict[str, Source] = {}
+    for source in PORTED[part]:
+        if not source.applies(version):
+            continue
+        known = merged.get(source.path)
+        if known is None:
+            merged[source.path] = replace(source, releases=())
+        elif not (known.whole_file or source.whole_file):
+            merged[source.path] = replace(
+                known,
+                objects=tuple(dict.fromkeys(known.objects + source.objects)),
+                mentions=tuple(dict.fromkeys(known.mentions + source.mentions)),
+            )
+        else:
+            merged[source.path] = Source(source.path)
+    return tuple(merged.values())
