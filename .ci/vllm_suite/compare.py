@@ -1,9 +1,11 @@
 """Comparing the ``KVBLOCKS_VLLM=off`` and ``=all`` runs against the expected-failures list.
 
 A test is *as stock* when its outcome is the same in both runs. Every test that is not (it
-fails with kvblocks and passes without, or the other way round) must be listed in
-``expected_failures.txt`` with a reason; a listed test that is now as stock, or no longer
-exists, is a stale entry. Either makes the tier fail, so the list stays exactly true.
+fails with kvblocks and passes without, or the other way round) must be listed in the
+release's expected-failures list (``expected_failures.txt`` for vLLM 0.33.0,
+``expected_failures-<version>.txt`` for later ones; releases.py) with a reason; a listed test
+that is now as stock, or no longer exists, is a stale entry. Either makes the tier fail, so
+the list stays exactly true.
 """
 
 from __future__ import annotations

@@ -4,7 +4,13 @@ vLLM loads kvblocks through ``load_general_plugins()`` in ``EngineCore``; a bare
 vLLM's unit tests never calls it. This plugin installs the mode ``KVBLOCKS_VLLM`` names before
 any conftest or test module is imported (test modules bind ``get_request_block_hasher`` at
 import), records every vLLM scheduler built during each test and which KV-cache manager it got,
-and writes one JSON report at the end: each test's outcome and schedulers, and kvblocks' status.
+and the request blocks kvblocks' hasher hashed itself (not handed to vLLM's), and writes one
+JSON report at the end: each test's outcome, schedulers and hashed blocks, the vLLM it ran
+on, and kvblocks' status.
+
+TEST ONLY, where run.py asks for it (``KVBLOCKS_SUITE_CPU_TRITON=1``, vLLM 0.34): vLLM's CPU
+platform is told Triton is there while it checks a ``VllmConfig``, and only then (see
+:func:`tell_cpu_platform_triton_is_there`).
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import pytest
 
 MODE_VAR = "KVBLOCKS_VLLM"
 REPORT_VAR = "KVBLOCKS_SUITE_REPORT"
+CPU_TRITON_VAR = "KVBLOCKS_SUITE_CPU_TRITON"
 
-# nodeid -> {"outcome": ..., "kvblocks": n, "vllm": n, "fallbacks": {"part: reason": n}},
-# "kvblocks" / "vllm": the schedulers built during the test on each KV-cache manager
+# nodeid -> {"outcome": ..., "kvblocks": n, "vllm": n, "hashed": n,
+# "fallbacks": {"part: reason": n}}; "kvblocks" / "vllm": the schedulers built during the test
+# on each KV-cache manager; "hashed": the request blocks kvblocks' hasher hashed
 _tests: dict[str, dict[str, Any]] = {}
 _current: list[str] = []  # the test running now (schedulers built at import go to "")
 _session: dict[str, Any] = {}
@@ -30,7 +38,7 @@ _session: dict[str, Any] = {}
 
 def _record(nodeid: str) -> dict[str, Any]:
     return _tests.setdefault(
-        nodeid, {"outcome": None, "kvblocks": 0, "vllm": 0, "fallbacks": Counter()}
+        nodeid, {"outcome": None, "kvblocks": 0, "vllm": 0, "hashed": 0, "fallbacks": Counter()}
     )
 
 
@@ -54,18 +62,82 @@ def _watch_schedulers() -> None:
     scheduler_module.Scheduler.__init__ = __init__
 
 
+def _watch_hasher() -> None:
+    """Wraps each request block hasher kvblocks' hasher factory makes, to count the blocks it
+    hashed itself: a call that returns hashes without counting a fallback of the hasher part
+    (kvblocks then handed the request to vLLM's hasher) returned kvblocks' own. It only
+    observes: arguments and results pass through unchanged. A hasher factory that fell back
+    as a whole never makes one, so its requests count nothing."""
+    from kvblocks.vllm import _state, block_hasher
+
+    make = block_hasher._make_hasher
+
+    def hasher_fallbacks() -> int:
+        return sum(n for (part, _), n in _state.fallbacks.items() if part == block_hasher._PART)
+
+    @functools.wraps(make)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        request_block_hasher = make(*args, **kwargs)
+
+        @functools.wraps(request_block_hasher)
+        def counted(request: Any) -> Any:
+            before = hasher_fallbacks()
+            hashes = request_block_hasher(request)
+            if hashes and hasher_fallbacks() == before:
+                _record(_current[-1] if _current else "")["hashed"] += len(hashes)
+            return hashes
+
+        return counted
+
+    block_hasher._make_hasher = watched
+
+
+def tell_cpu_platform_triton_is_there(platform: Any, triton_utils: Any) -> bool:
+    """TEST ONLY: vLLM 0.34's ``CpuPlatform.check_and_update_config`` refuses x86 CPUs
+    without Triton ("vLLM on x86 CPUs requires Triton (triton-cpu)"); PyPI has no triton-cpu,
+    and PyPI's triton finds no active driver without a GPU. The tests run no model runner (the
+    part that needs Triton), only schedulers and managers. The check is wrapped to see
+    ``triton_utils.HAS_TRITON`` true while it runs, and the real value is back afterwards:
+    nothing else sees the flag changed. Returns False (and changes nothing) where the platform
+    has no such classmethod. Only this tier's child processes do this, never kvblocks."""
+    check = vars(platform).get("check_and_update_config")
+    if not isinstance(check, classmethod):
+        return False
+
+    def told_triton_is_there(cls: Any, vllm_config: Any) -> None:
+        has_triton = triton_utils.HAS_TRITON
+        triton_utils.HAS_TRITON = True
+        try:
+            check.__func__(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = has_triton
+
+    platform.check_and_update_config = classmethod(told_triton_is_there)
+    return True
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # Runs before vLLM's conftest.py files and before any test module is imported.
     mode = os.environ.get(MODE_VAR)
     if mode not in ("off", "hasher", "all"):
         raise pytest.UsageError(f"{MODE_VAR} must be off, hasher or all (got {mode!r})")
+    import vllm
+
     import kvblocks.vllm
 
     status = kvblocks.vllm.install(mode)  # raises when vLLM is missing or unsupported
     _session["mode"] = mode
     _session["installed"] = str(status)
+    _session["vllm"] = {"version": vllm.__version__, "file": vllm.__file__}
     _watch_schedulers()
+    _watch_hasher()
+    if os.environ.get(CPU_TRITON_VAR) == "1":
+        import vllm.triton_utils
+        from vllm.platforms.cpu import CpuPlatform
+
+        if not tell_cpu_platform_triton_is_there(CpuPlatform, vllm.triton_utils):
+            raise pytest.UsageError(f"{CPU_TRITON_VAR}=1: CpuPlatform has no such check")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -161,6 +233,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     status = kvblocks.vllm.status()
     report = {
         "mode": _session["mode"],
+        "vllm": _session["vllm"],
         "kvblocks": kvblocks.__file__,
         "installed": _session["installed"],
         "status": str(status),

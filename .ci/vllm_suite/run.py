@@ -1,16 +1,23 @@
 #!/usr/bin/env python3
-"""The vLLM-suite tier: vLLM 0.33.0's own scheduler, prefix-caching and CPU-offloading tests,
-run twice, with ``KVBLOCKS_VLLM=off`` and ``=all``, and compared.
+"""The vLLM-suite tier: a vLLM release's own scheduler, prefix-caching and CPU-offloading
+tests, run twice, with ``KVBLOCKS_VLLM=off`` and ``=all``, and compared.
 
-    python .ci/vllm_suite/run.py            # from any directory; uses this Python
+    python .ci/vllm_suite/run.py            # this Python's vLLM (0.33.0); from any directory
+    python .ci/vllm_suite/run.py --vllm-root .ci/cache/vllm-0.34.0   # a `pip install
+                                            # --no-deps --target` tree of another release
 
-Fetches vLLM's sdist into ``.ci/cache/`` (once), writes the model configs the tests read,
-runs pytest in a child process per mode (from the unpacked directory, so that ``tests`` is
-vLLM's package), then checks that
+The release is the version of the vLLM under test; releases.py holds, per release, its sdist,
+the test files, its expected-failures list and the kvblocks parts ported to it. Fetches the
+release's sdist into ``.ci/cache/`` (once), writes the model configs the tests read, runs
+pytest in a child process per mode (from the unpacked directory, so that ``tests`` is vLLM's
+package; with ``--vllm-root``, that tree first on its path), then checks that
 
-- in the ``all`` run kvblocks' KV-cache manager was built for at least one scheduler;
-- every test whose outcome differs between the runs is listed in ``expected_failures.txt``
-  with a reason, and every listed test still differs.
+- the children ran the release's vLLM;
+- each kvblocks part ported to the release did work in the ``all`` run (0.33: schedulers on
+  kvblocks' KV-cache manager and request blocks hashed by kvblocks' hasher; 0.34: the hasher),
+  and none did in the ``off`` run;
+- every test whose outcome differs between the runs is listed in the release's
+  expected-failures list with a reason, and every listed test still differs.
 
 ``--write-expected`` rewrites the list (reasons kept, new entries without one, to be written
 by hand). ``--probe`` reruns only the listed tests on kvblocks' manager with the vLLM internals
@@ -37,50 +44,10 @@ sys.path.insert(0, str(HERE))
 
 import compare  # noqa: E402
 import models  # noqa: E402
+import releases  # noqa: E402
 import sdist  # noqa: E402
+from releases import Release  # noqa: E402
 
-# vLLM's tests/v1/core files that build a scheduler, a KV-cache manager or request block
-# hashes. Left out: prefix_cache/test_hybrid_prefix_cache_hit_rate.py (an OpenAI server on
-# Qwen3.5-0.8B weights), test_reset_prefix_cache_e2e.py and test_scheduler_e2e.py (LLMEngine
-# / LLM with model weights and a GPU), and the files that touch none of what kvblocks
-# replaces: test_encoder_cache_manager, test_kv_cache_config_builder, test_kv_cache_metrics,
-# test_kv_cache_planning, test_output, test_repetition_detection.
-TEST_FILES = (
-    "tests/v1/core/test_scheduler.py",
-    "tests/v1/core/test_async_scheduler.py",
-    "tests/v1/core/test_prefix_caching.py",
-    "tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py",
-    "tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py",
-    "tests/v1/core/prefix_cache/test_mamba_eagle_resume_checkpoint.py",
-    "tests/v1/core/test_priority_preemption_bug.py",
-    "tests/v1/core/test_priority_scheduler_random.py",
-    "tests/v1/core/test_prefix_replay.py",
-    "tests/v1/core/test_deferred_block_free.py",
-    "tests/v1/core/test_swa_inflight_window_free.py",
-    "tests/v1/core/test_worker_slot_overflow.py",
-    "tests/v1/core/test_single_type_kv_cache_manager.py",
-    "tests/v1/core/test_kv_sharing.py",
-    "tests/v1/core/test_kv_cache_utils.py",
-    "tests/v1/core/test_mamba_align_chunk_split.py",
-    "tests/v1/core/test_contiguous_kv_packing.py",
-    # vLLM's CPU offloading (the OffloadingConnector) driven through the scheduler with a
-    # fake worker side. (Its other test files build no scheduler: they drive the connector
-    # with mocks of the manager's results.)
-    "tests/v1/kv_connector/unit/offloading_connector/test_scheduler.py",
-    # The scheduler with NIXL's connector (remote prefill and decode, the connector's
-    # worker side mocked), vLLM's MultiConnector and DecodeBenchConnector, connector
-    # lifecycles, failed and invalid loads. (test_nixl_connector*.py import `ray` and drive
-    # NIXL's worker side, which needs the nixl library; the other connectors' files build
-    # schedulers with connectors kvblocks does not serve, or none.)
-    "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
-    "tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py",
-    "tests/v1/kv_connector/unit/test_kv_connector_lifecycle.py",
-    "tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py",
-    "tests/v1/kv_connector/unit/test_multi_connector.py",
-    "tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py",
-    "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
-    "tests/v1/kv_connector/unit/test_decode_bench_connector.py",
-)
 MODES = ("off", "all")
 
 
@@ -91,9 +58,15 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         extra = argv[argv.index("--") + 1 :]
         argv = argv[: argv.index("--")]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--vllm-root",
+        type=Path,
+        help="a directory holding a vLLM release's vllm/ and its dist-info (pip install"
+        " --no-deps --target DIR vllm==X), first on the tests' path (default: this Python's)",
+    )
     parser.add_argument("--cache", type=Path, default=REPO / ".ci" / "cache")
-    parser.add_argument("--sdist", type=Path, help="a local vllm-0.33.0.tar.gz (sha256-checked)")
-    parser.add_argument("--expected", type=Path, default=HERE / "expected_failures.txt")
+    parser.add_argument("--sdist", type=Path, help="a local vllm-X.tar.gz (sha256-checked)")
+    parser.add_argument("--expected", type=Path, help="default: the release's list (releases.py)")
     parser.add_argument("--write-expected", action="store_true")
     parser.add_argument(
         "--jobs", type=int, choices=(1, 2), default=1, help="2: both runs at the same time"
@@ -107,12 +80,21 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_args(argv), extra
 
 
-def environment(mode: str, redirects: Path, cache: Path, report: Path) -> dict[str, str]:
-    """The child pytest's environment: this checkout's kvblocks, the mode, no network."""
+def environment(
+    mode: str, redirects: Path, cache: Path, report: Path, release: Release, vllm_root: Path | None
+) -> dict[str, str]:
+    """The child pytest's environment: the vLLM under test, this checkout's kvblocks, the
+    mode, no network."""
     env = dict(os.environ)
-    # This checkout's kvblocks first; packages installed with `pip install --target
-    # <cache>/deps -r requirements.txt` (for a shared environment one may not change) next.
+    # The vLLM tree under test first, this checkout's kvblocks next; packages installed with
+    # `pip install --target <cache>/deps -r requirements.txt` (for a shared environment one
+    # may not change) after them.
     path = [str(REPO / "python"), str(HERE), str(cache / "deps"), env.get("PYTHONPATH", "")]
+    if vllm_root is not None:
+        path.insert(0, str(vllm_root.resolve()))
+    env.pop("KVBLOCKS_SUITE_CPU_TRITON", None)
+    if release.cpu_triton_flag:
+        env["KVBLOCKS_SUITE_CPU_TRITON"] = "1"
     env.update(
         PYTHONPATH=os.pathsep.join(p for p in path if p),
         KVBLOCKS_VLLM=mode,
@@ -130,23 +112,30 @@ def environment(mode: str, redirects: Path, cache: Path, report: Path) -> dict[s
 
 
 def start(
-    mode: str, root: Path, files: list[str], extra: list[str], cache: Path, name: str = ""
+    mode: str,
+    root: Path,
+    files: list[str],
+    extra: list[str],
+    args: argparse.Namespace,
+    release: Release,
+    name: str = "",
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
     """Starts one pytest run; returns the process, its report path and its log path."""
-    logs = cache / "logs"
+    logs = args.cache / "logs" / f"vllm-{release.version}"
     logs.mkdir(parents=True, exist_ok=True)
     report, log = logs / f"{name or mode}.json", logs / f"{name or mode}.log"
     report.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", "-p", "kvblocks_suite_plugin"]
     command += ["-p", "no:cacheprovider", "-q", "--tb=short", "-rN", *files, *extra]
-    env = environment(mode, cache / "models" / "redirect.json", cache, report)
+    redirects = args.cache / "models" / "redirect.json"
+    env = environment(mode, redirects, args.cache, report, release, args.vllm_root)
     with log.open("w") as out:
         process = subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
     return process, report, log
 
 
 def run_modes(
-    root: Path, files: list[str], extra: list[str], args: argparse.Namespace
+    root: Path, files: list[str], extra: list[str], args: argparse.Namespace, release: Release
 ) -> dict[str, dict[str, Any]]:
     """Runs pytest per mode (both at once with --jobs 2); returns mode -> plugin report."""
     reports: dict[str, dict[str, Any]] = {}
@@ -154,7 +143,7 @@ def run_modes(
     while pending:
         batch, pending = pending[: args.jobs], pending[args.jobs :]
         began = time.monotonic()
-        running = {m: start(m, root, files, extra, args.cache) for m in batch}
+        running = {m: start(m, root, files, extra, args, release) for m in batch}
         for mode, (process, report, log) in running.items():
             code = process.wait()
             seconds = time.monotonic() - began
@@ -162,15 +151,18 @@ def run_modes(
             if code not in (0, 1) or not report.exists():
                 sys.exit(f"vllm_suite: pytest ({mode}) exited {code} without a report; see {log}")
             reports[mode] = json.loads(report.read_text())
+            ran = reports[mode]["vllm"]
+            if ran["version"] != release.version:
+                sys.exit(f"vllm_suite: pytest ({mode}) ran vLLM {ran['version']} ({ran['file']})")
             outcomes = Counter(t["outcome"] for t in reports[mode]["tests"].values())
             summary = ", ".join(f"{n} {o}" for o, n in outcomes.most_common())
             print(f"KVBLOCKS_VLLM={mode}: {summary} ({seconds:.0f} s; log {log})", flush=True)
     return reports
 
 
-def print_schedulers(report: dict[str, Any]) -> int:
-    """Prints where the ``all`` run's schedulers got their manager and why kvblocks handed
-    work to vLLM's code; returns how many schedulers ran on kvblocks' manager."""
+def print_schedulers(report: dict[str, Any]) -> None:
+    """Prints where the ``all`` run's schedulers got their manager, what kvblocks' hasher
+    hashed, and why kvblocks handed work to vLLM's code."""
     tests = report["tests"].values()
     on_kvblocks = int(sum(t["kvblocks"] for t in tests))
     on_vllm = sum(t["vllm"] for t in tests)
@@ -179,6 +171,8 @@ def print_schedulers(report: dict[str, Any]) -> int:
     print(f"  on kvblocks' manager: {on_kvblocks}")
     print(f"  on vLLM's manager (kvblocks fell back): {on_vllm}")
     print(f"tests that passed with a scheduler on kvblocks' manager: {passed_on_kvblocks}")
+    hashed = [t["hashed"] for t in tests if t["hashed"]]
+    print(f"request blocks hashed by kvblocks' hasher: {sum(hashed)} (in {len(hashed)} tests)")
     print("fallbacks to vLLM's code (count, part: reason; tests):")
     reasons: Counter[str] = Counter()
     tests_with: Counter[str] = Counter()
@@ -187,11 +181,10 @@ def print_schedulers(report: dict[str, Any]) -> int:
         tests_with.update(t["fallbacks"].keys())
     for reason, count in reasons.most_common():
         print(f"  {count:5d}  {reason}; {tests_with[reason]} tests")
-    return on_kvblocks
 
 
 def report_comparison(
-    result: compare.Comparison, off: dict[str, Any], all_: dict[str, Any]
+    result: compare.Comparison, off: dict[str, Any], all_: dict[str, Any], expected: Path
 ) -> None:
     for nodeid in result.unlisted + result.reasonless:
         before, after = result.differing[nodeid]
@@ -200,9 +193,9 @@ def report_comparison(
         print(f"{label}: {nodeid}: off {before}, all {after}: {message}")
     for nodeid in result.stale:
         print(f"STALE: {nodeid} is listed but behaves as stock now (or was not collected):")
-        print("       remove it from expected_failures.txt")
+        print(f"       remove it from {expected.name}")
     if result.unlisted or result.reasonless:
-        print("\nEntries to add to expected_failures.txt (write the reason after '#'):")
+        print(f"\nEntries to add to {expected.name} (write the reason after '#'):")
         for nodeid in result.unlisted + result.reasonless:
             print(compare.entry_line(nodeid))
     if result.changed_message:
@@ -212,10 +205,14 @@ def report_comparison(
             print(f"    all: {all_[nodeid].get('message')}")
 
 
-def probe(root: Path, expected: dict[str, str], args: argparse.Namespace) -> int:
+def probe(root: Path, expected: dict[str, str], args: argparse.Namespace, release: Release) -> int:
     """Reruns the listed tests on kvblocks' manager with internals reads translated."""
+    if not expected:
+        print("vllm_suite: no listed test to probe")
+        return 0
+    probe_plugin = ["-p", "probe_internals"]
     process, report, log = start(
-        "all", root, sorted(expected), ["-p", "probe_internals"], args.cache, name="probe"
+        "all", root, sorted(expected), probe_plugin, args, release, name="probe"
     )
     if process.wait() not in (0, 1) or not report.exists():
         sys.exit(f"vllm_suite: the probe run failed; see {log}")
@@ -244,23 +241,24 @@ def check_requirements(cache: Path) -> None:
 
 def main() -> int:
     args, extra = parse_args()
+    release = releases.release(releases.vllm_version(args.vllm_root))
+    expected_path = args.expected or release.expected
     check_requirements(args.cache)
-    files = args.files or list(TEST_FILES)
-    root = sdist.ensure_tests(args.cache, args.sdist)
+    files = args.files or list(release.test_files)
+    root = sdist.ensure_tests(args.cache, release, args.sdist)
     models.ensure_redirects(args.cache)
-    expected = compare.read_expected(args.expected) if args.expected.exists() else {}
+    expected = compare.read_expected(expected_path) if expected_path.exists() else {}
     if args.probe:
-        return probe(root, expected, args)
+        return probe(root, expected, args, release)
+    print(f"vLLM {release.version}'s tests ({root}), kvblocks ported there: {release.ported}")
     began = time.monotonic()
-    reports = run_modes(root, files, extra, args)
+    reports = run_modes(root, files, extra, args, release)
     print(f"both runs: {time.monotonic() - began:.0f} s")
+    print(f"vLLM from {reports['all']['vllm']['file']}")
     print(f"kvblocks from {reports['all']['kvblocks']}")
     print(reports["all"]["status"].splitlines()[0])
     off, all_ = reports["off"]["tests"], reports["all"]["tests"]
-    on_kvblocks = print_schedulers(reports["all"])
-    if sum(t["kvblocks"] for t in off.values()):
-        print("FAIL: the off run built schedulers on kvblocks' manager")
-        return 1
+    print_schedulers(reports["all"])
     for mode, wrong in (("off", "kvblocks"), ("all", "vllm")):
         bindings = reports[mode]["hasher_bindings"]
         late = sorted(m for m, bound in bindings.items() if bound == wrong)
@@ -272,18 +270,20 @@ def main() -> int:
     result = compare.compare(off, all_, expected, complete=not extra and not args.files)
     listed = len(result.differing) - len(result.unlisted)
     print(f"differing from stock: {len(result.differing)} (listed {listed})")
-    report_comparison(result, off, all_)
+    report_comparison(result, off, all_, expected_path)
     if args.write_expected:
-        old = args.expected.read_text().splitlines() if args.expected.exists() else []
+        old = expected_path.read_text().splitlines() if expected_path.exists() else []
         entries = compare.regenerated(expected, result, ran=off.keys() | all_.keys())
         lines = [line for line in old if line.startswith("#")] + entries
-        args.expected.write_text("\n".join(lines) + "\n")
-        print(f"wrote {args.expected}: {len(entries)} entries")
-    if on_kvblocks == 0:
-        print("FAIL: kvblocks' KV-cache manager was never built: the run proves nothing")
+        expected_path.write_text("\n".join(lines) + "\n")
+        print(f"wrote {expected_path}: {len(entries)} entries")
+    inactive = releases.activity_failures(release.ported, off.values(), all_.values())
+    for failure in inactive:
+        print(f"FAIL: {failure}")
+    if inactive:
         return 1
     if not result.ok:
-        print("FAIL: outcomes differ from stock vLLM outside expected_failures.txt (see above)")
+        print(f"FAIL: outcomes differ from stock vLLM outside {expected_path.name} (see above)")
         return 1
     print("vllm_suite: OK")
     return 0
