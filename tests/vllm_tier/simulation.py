@@ -166,8 +166,10 @@ def run(
             if scheduler.has_requests() or not in_flight:
                 out = scheduler.schedule()
                 in_flight.append((out, model.execute(scheduler, out)))
-                # num_common_prefix_blocks last, after the snapshot's fields (tests index them).
-                snap = (*snapshot(out), list(out.num_common_prefix_blocks))
+                # num_common_prefix_blocks last, after the snapshot's fields (tests index them;
+                # vLLM 0.34 has none: empty).
+                common = getattr(out, "num_common_prefix_blocks", ())
+                snap = (*snapshot(out), list(common))
             outputs: tuple[Any, ...] = ((), None)
             if len(in_flight) > lag or not scheduler.has_requests():
                 done, result = in_flight.pop(0)

@@ -311,7 +311,7 @@ def snapshot(out: SchedulerOutput) -> dict[str, Any]:
         "resumed": sorted(cached.resumed_req_ids),
         "finished": sorted(out.finished_req_ids),
         "preempted": sorted(out.preempted_req_ids or ()),
-        "num_common_prefix_blocks": list(out.num_common_prefix_blocks),
+        "num_common_prefix_blocks": list(getattr(out, "num_common_prefix_blocks", ())),
         "new_block_ids_to_zero": out.new_block_ids_to_zero,
         "connector_jobs": connector_jobs(out),
         "spec_decode_tokens": sorted(
