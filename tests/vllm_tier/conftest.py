@@ -7,7 +7,6 @@ must find, so that a run meant for one release cannot pass on another."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,20 +25,10 @@ import kvblocks.vllm
 from kvblocks.vllm import _state
 from kvblocks.vllm.versions import installed_vllm_version
 from tests.vllm_driver import write_model_dir
+from tests.vllm_driver.porting import open_guard_if_asked
 
-if os.environ.get("KVBLOCKS_PORTING_OPEN") == "1":
-    # PORTING AID, TEST ONLY (docs/porting.md): every part runs on the installed vLLM, whose
-    # sources are fingerprinted afresh into a temporary directory, so that the differential
-    # tier shows what a release kvblocks is not ported to yet does differently.
-    import tempfile
-
-    from kvblocks.vllm import fingerprints
-
-    _open_dir = Path(tempfile.mkdtemp(prefix="kvblocks-porting-"))
-    _version = installed_vllm_version() or "unknown"
-    _document = fingerprints.compute(fingerprints.vllm_root(), _version)
-    fingerprints.stored_path(_version, _open_dir).write_text(json.dumps(_document))
-    fingerprints.DIRECTORY = _open_dir
+# PORTING AID, TEST ONLY: KVBLOCKS_PORTING_OPEN=1 runs every part on the installed vLLM.
+open_guard_if_asked()
 
 _EXPECTED = os.environ.get("KVBLOCKS_EXPECT_VLLM")
 if _EXPECTED and installed_vllm_version() != _EXPECTED:

@@ -79,6 +79,7 @@ from tests.vllm_driver import (
     sampled_token,
     write_model_dir,
 )
+from tests.vllm_driver.config import _scheduler_only_cpu_platform
 from tests.vllm_driver.speculative import speculative_config
 
 BLOCK_SIZE = 16
@@ -308,7 +309,7 @@ def snapshot(out: SchedulerOutput) -> dict[str, Any]:
                 strict=True,
             )
         ],
-        "resumed": sorted(cached.resumed_req_ids),
+        "resumed": sorted(getattr(cached, "resumed_req_ids", ())),  # (none in vLLM 0.34)
         "finished": sorted(out.finished_req_ids),
         "preempted": sorted(out.preempted_req_ids or ()),
         "num_common_prefix_blocks": list(getattr(out, "num_common_prefix_blocks", ())),
@@ -387,6 +388,9 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
             raise RuntimeError("simulated bug in kvblocks' hasher")
 
         block_hasher._SeededHasher = broken  # type: ignore[assignment,misc]
+    from tests.vllm_driver.porting import open_guard_if_asked
+
+    open_guard_if_asked()  # test only: KVBLOCKS_PORTING_OPEN=1 (docs/porting.md)
     before = [vllm.plugins.plugins_loaded, str(kvblocks.vllm.status().mode)]
     write_model_dir(model_dir)
     model_config = ModelConfig(
@@ -415,32 +419,35 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         from tests.vllm_driver import nixl
 
         transfer = nixl.kv_transfer_config(NIXL[layout])
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        kv_transfer_config=transfer,
-        parallel_config=parallel_config,
-        speculative_config=speculation,
-        # speculating: each request's accepted and proposed drafts per step, in its final output
-        observability_config=ObservabilityConfig(
-            per_request_spec_decode_metrics="detailed" if method else "none"
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-            max_model_len=MAX_MODEL_LEN,
-            is_encoder_decoder=False,
-            enable_chunked_prefill=True,
-            async_scheduling=False,
-        ),
-        cache_config=CacheConfig(
-            block_size=BLOCK_SIZE,
-            enable_prefix_caching=layout != "qwen3.5",
-            # What vLLM's config sets for a model with Mamba layers and prefix caching.
-            mamba_cache_mode="align" if layout in ALIGN else "none",
-            num_gpu_blocks_override=POOL[layout],
-            kv_offloading_size=KV_OFFLOADING_GIB if layout in OFFLOADING else None,
-        ),
-    )
+    # vLLM 0.34's CPU platform refuses x86 without Triton: told it is there while this
+    # configuration is checked (test only: the driver's flag; no model runner runs here).
+    with _scheduler_only_cpu_platform():
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            kv_transfer_config=transfer,
+            parallel_config=parallel_config,
+            speculative_config=speculation,
+            # speculating: each request's accepted and proposed drafts per step, in its final output
+            observability_config=ObservabilityConfig(
+                per_request_spec_decode_metrics="detailed" if method else "none"
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=256,
+                max_model_len=MAX_MODEL_LEN,
+                is_encoder_decoder=False,
+                enable_chunked_prefill=True,
+                async_scheduling=False,
+            ),
+            cache_config=CacheConfig(
+                block_size=BLOCK_SIZE,
+                enable_prefix_caching=layout != "qwen3.5",
+                # What vLLM's config sets for a model with Mamba layers and prefix caching.
+                mamba_cache_mode="align" if layout in ALIGN else "none",
+                num_gpu_blocks_override=POOL[layout],
+                kv_offloading_size=KV_OFFLOADING_GIB if layout in OFFLOADING else None,
+            ),
+        )
     engine = EngineCore(vllm_config, executor_class=FakeExecutor, log_stats=True)
     executor = engine.model_executor
     assert isinstance(executor, FakeExecutor)

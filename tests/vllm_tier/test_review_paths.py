@@ -11,6 +11,7 @@ request's block table, and any exception raised (an exception ends a run and is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.config import SchedulerConfig
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -333,6 +335,78 @@ def test_prompt_logprobs_and_single_token_requests(model_dir: Path, async_schedu
 
     stock, ours = both(model_dir, spec, actions)
     assert_same(stock, ours)
+
+
+#: vLLM 0.34's prefix-cache hit limit (``Request.get_max_cache_hit_length``).
+HAS_HIT_LIMIT = hasattr(Request, "get_max_cache_hit_length")
+
+
+def test_prompt_logprobs_from_a_start_hit_up_to_it(model_dir: Path) -> None:
+    """Prompt logprobs from token S, reading the prefix cache: vLLM 0.34 lets such a request
+    hit at most S cached tokens (its hit limit), vLLM 0.33 all its cached blocks; the same
+    with kvblocks' manager, and a request without prompt logprobs hits all in both."""
+    spec = events_spec(80, 40)
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(5)
+        prefix = tokens(rng, 64)
+        acts: dict[int, list[Action]] = {0: [add("warm", prefix + tokens(rng, 3), 2)]}
+        for i, start in enumerate((0, 7, 16, 33, 48, 60)):
+            sampling = {
+                "prompt_logprobs": 1,
+                "prompt_logprob_start": start,
+                "skip_reading_prefix_cache": False,  # (else the request reads no cache)
+            }
+            acts[4 + i] = [add(f"s{start}", prefix + tokens(rng, 2), 2, sampling=sampling)]
+        acts[12] = [add("free", prefix + tokens(rng, 2), 2)]
+        return acts
+
+    stock, ours = both(model_dir, spec, actions)
+    assert_same(stock, ours)
+    # Not vacuous: on 0.34 the limits bind (hits of 0, 16, 32 and 48 tokens: whole 4-token
+    # blocks), and every request hits the 64 cached tokens where there is no limit.
+    hits = {r[0]: r[2] for snap in snapshots(stock) for r in snap[1]}
+    expected = (0, 16, 32, 48) if HAS_HIT_LIMIT else (64, 64, 64, 64)
+    assert (hits["s0"], hits["s16"], hits["s33"], hits["s48"]) == expected
+    assert hits["free"] == 64
+
+
+HAS_CACHE_AWARE_ADMISSION = "cache_aware_admission_window" in {
+    f.name for f in dataclasses.fields(SchedulerConfig)
+}
+
+
+@pytest.mark.skipif(
+    not HAS_CACHE_AWARE_ADMISSION,
+    reason="vLLM 0.33 has no cache-aware admission (0.34's get_num_cached_tokens probe; run "
+    "on 0.34: docs/porting.md)",
+)
+def test_cache_aware_admission_probes_as_vllm(model_dir: Path) -> None:
+    """vLLM 0.34's cache-aware admission asks the manager, every step, how many tokens of each
+    waiting request in its window are cached (``get_num_cached_tokens``) and admits the
+    deepest first: the same order with kvblocks' manager."""
+    window = {"cache_aware_admission_window": 6, "cache_aware_admission_threshold": 0.0}
+    spec = events_spec(60, 32, max_num_seqs=2, scheduler=window)
+
+    def actions() -> dict[int, list[Action]]:
+        rng = random.Random(9)
+        prefixes = [tokens(rng, 24), tokens(rng, 12)]
+        acts: dict[int, list[Action]] = {0: [add("warm0", prefixes[0] + [1], 2)]}
+        acts[1] = [add("warm1", prefixes[1] + [2], 2)]
+        for i in range(10):
+            prompt = (prefixes[i % 3] if i % 3 < 2 else []) + tokens(rng, 6 + i)
+            acts.setdefault(4 + i // 4, []).append(add(f"r{i}", prompt, 3))
+        return acts
+
+    stock, ours = both(model_dir, spec, actions)
+    assert_same(stock, ours)
+    # Not vacuous: the window admitted a later request ahead of an earlier one.
+    first = {}
+    for step, snap in enumerate(snapshots(stock)):
+        for r in snap[1]:
+            first.setdefault(r[0], step)
+    order = sorted((name for name in first if name.startswith("r")), key=first.__getitem__)
+    assert order != sorted(order, key=lambda name: int(name[1:]))
 
 
 # finish_requests of waiting, unknown and all ids.

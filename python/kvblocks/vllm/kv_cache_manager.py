@@ -306,10 +306,16 @@ class KVCacheManager:
             self._core.new_step_starts()
 
     def _lookup_length(self, request: Request, max_cache_hit_length: int | None) -> int | None:
-        """How many tokens a lookup may hit (vLLM's: all but the last, or the caller's
-        limit), or None where the request looks nothing up."""
+        """How many tokens a lookup may hit, or None where the request looks nothing up.
+        vLLM 0.34's rule is the request's own (``Request.get_max_cache_hit_length``: all but
+        the last token, within its prefix-cache hit limit and the caller's bound, called here
+        as vLLM's manager calls it); vLLM 0.33's: all but the last, or the caller's bound."""
         if not self.prefix_cache_lookup_enabled(request):
             return None
+        hit_length = getattr(request, "get_max_cache_hit_length", None)
+        if hit_length is not None:
+            length: int = hit_length(max_cache_hit_length)
+            return length
         return request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
 
     def get_computed_blocks(
@@ -329,6 +335,17 @@ class KVCacheManager:
                     self._events.append(self._stored_event(request, group, 0, len(ids), None))
         shared_prefix_boundary = num_tokens + num_uncached if num_uncached else 0
         return hits, num_tokens, shared_prefix_boundary
+
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """vLLM 0.34's cache-aware admission probe (``cache_aware_admission_window``): how
+        many of the request's tokens (all but the last, not bounded by its hit limit) are in
+        the prefix cache, 0 where it looks nothing up. It only counts: no references, no
+        blocks for Python, no events, no statistics. vLLM's scheduler calls it once per
+        waiting request in the window at every step."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        num_tokens: int = self._core.num_cached_tokens(request.block_hashes, request.num_tokens - 1)
+        return num_tokens
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None

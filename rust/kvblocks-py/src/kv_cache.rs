@@ -501,6 +501,18 @@ impl PyKvCacheManager {
         Ok((self.blocks(py, hit.blocks)?, hit.num_tokens, hit.num_uncached_common))
     }
 
+    /// vLLM 0.34's `get_num_cached_tokens` probe: the length of the cached prefix (at most
+    /// `max_length` tokens) `lookup` finds, without handing its blocks to Python (no
+    /// references taken, no events, nothing changed).
+    #[pyo3(signature = (block_hashes, max_length, /))]
+    fn num_cached_tokens(
+        &self,
+        block_hashes: &Bound<'_, PyAny>,
+        max_length: usize,
+    ) -> GlueResult<usize> {
+        Ok(self.lock()?.lookup(&hashes_arg(block_hashes)?, max_length)?.num_tokens)
+    }
+
     /// vLLM's `find_longest_cache_hit_per_group`: each group's own longest cached prefix
     /// of `block_hashes` (at most `max_length` tokens), the groups not agreeing on one
     /// length: `(blocks, hit lengths per group)`.
