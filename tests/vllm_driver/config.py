@@ -20,11 +20,14 @@ from kvblocks.vllm.bench import config as base
 from kvblocks.vllm.bench.fake_model import FakeModel
 from tests.vllm_driver.connectors import connector_decisions, connector_worker
 from tests.vllm_driver.drafts import drafter_for
-from tests.vllm_driver.speculative import Speculation, mark_draft_groups, speculative_config
+from tests.vllm_driver.speculative import (
+    Speculation,
+    mark_draft_groups,
+    speculative_config,
+    v2_model_runner,
+)
 
 if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
     from vllm.config import ModelConfig, ParallelConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -115,8 +118,9 @@ class SchedulerSpec(base.SchedulerSpec):
     def config_async_scheduling(self) -> bool:
         # vLLM's CPU platform turns async scheduling off in the config anyway (the driver's
         # scheduler class is what makes it async); asking for it would only run the check of
-        # the V1 model runner, the one the CPU gets, which refuses n-gram drafting under
-        # async scheduling (the V2 runner, the GPU default, runs it).
+        # the V1 model runner, the one the CPU gets, which refuses n-gram drafting on the CPU
+        # under async scheduling (the V2 runner, the GPU default, runs it; ``ngram_gpu``
+        # passes the check: it is asked for).
         ngram = self.speculative is not None and self.speculative.method == "ngram"
         return self.async_scheduling and not ngram
 
@@ -151,8 +155,12 @@ class SchedulerSpec(base.SchedulerSpec):
             extra["speculative_config"] = speculative_config(self.speculative, model, parallel)
         return extra
 
-    def building_config(self) -> AbstractContextManager[None]:
-        return _scheduler_only_cpu_platform()
+    @contextmanager
+    def building_config(self) -> Iterator[None]:
+        # A method only vLLM's V2 model runner runs (DSpark) is validated as on V2; a run
+        # that steps the scheduler holds ``v2_model_runner`` too (the scheduler reads it).
+        with _scheduler_only_cpu_platform(), v2_model_runner(self.speculative):
+            yield
 
     def kv_cache_tensors(self, groups: list[KVCacheGroupSpec]) -> list[Any]:
         if not self.kv_offloading:

@@ -7,9 +7,11 @@ the tokens at ``n, n + 1, ...``: each guess is right or wrong by a fixed functio
 drafter's seed, the request id, ``n`` and its offset (right with probability ``accuracy``
 over seeds), so how many drafts the next step accepts (the leading right guesses) is a fixed
 function of the request and its position: two runs that schedule alike accept alike.
-EAGLE-style drafters (EAGLE, EAGLE-3, MTP) propose ``k`` drafts for every request of a
-batch; n-gram and suffix decoding propose ``0..k`` (a fixed function too), none for a
-request that sampled nothing.
+Drafters with their own forward pass (EAGLE, EAGLE-3, MTP, a separate draft model, DFlash,
+DSpark) propose ``k`` drafts for every request of a batch; n-gram and suffix decoding propose
+``0..k`` (a fixed function too), none for a request that sampled nothing. vLLM's GPU n-gram
+drafter (``ngram_gpu``) proposes as n-gram does but hands over a ``k``-wide tensor row: its
+``0..k`` drafts, then ``-1`` padding (``padded``), which the scheduler schedules as drafts.
 
 Where proposals go follows vLLM 0.33's engine core:
 
@@ -46,7 +48,8 @@ def _hash(*parts: object) -> int:
 
 class Drafter:
     """Proposes ``num_speculative_tokens`` drafts a request (``every_step``) or up to that
-    many, and keeps them where vLLM keeps them (``in_worker`` under async scheduling)."""
+    many (``padded`` with ``-1`` to that many), and keeps them where vLLM keeps them
+    (``in_worker`` under async scheduling)."""
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class Drafter:
         *,
         every_step: bool,
         in_worker: bool,
+        padded: bool = False,
         seed: int = 0,
         accuracy: float = 0.75,
     ) -> None:
@@ -62,6 +66,7 @@ class Drafter:
         self.k = num_speculative_tokens
         self.every_step = every_step
         self.in_worker = in_worker
+        self.padded = padded
         self.seed = seed
         self._right_below = round(accuracy * 2**20)  # of 2**20 equally likely hash values
         self._proposed: dict[str, list[int]] = {}  # the last executed batch's proposals
@@ -100,11 +105,14 @@ class Drafter:
         proposed: dict[str, list[int]] = {}
         for request_id, num_sampled in batch.items():
             if num_sampled is None and not self.every_step:
-                proposed[request_id] = []
-                continue
-            n = num_sampled or 0
-            count = self.num_drafts(request_id, n)
-            proposed[request_id] = [self.guess(request_id, n, j) for j in range(count)]
+                drafts: list[int] = []
+            else:
+                n = num_sampled or 0
+                count = self.num_drafts(request_id, n)
+                drafts = [self.guess(request_id, n, j) for j in range(count)]
+            if self.padded:
+                drafts += [-1] * (self.k - len(drafts))
+            proposed[request_id] = drafts
         self._proposed = proposed
         if not self.in_worker:
             select_cpu_platform()
@@ -131,8 +139,10 @@ def drafter_for(scheduler: Scheduler, *, seed: int = 0, accuracy: float = 0.75) 
 
     return Drafter(
         scheduler.num_spec_tokens,
-        every_step=config.use_eagle(),
+        # A drafter with its own forward pass: the hidden-state ones and a draft model.
+        every_step=config.use_eagle() or config.uses_draft_model(),
         in_worker=isinstance(scheduler, AsyncScheduler),
+        padded=config.use_ngram_gpu(),
         seed=seed,
         accuracy=accuracy,
     )

@@ -133,7 +133,7 @@ CONFIG_CASES: dict[str, tuple[str, Callable[[Any], None]]] = {
     "ec_connector": ("ec_connector", setter("ec_transfer_config", object())),
     "speculative": (
         "speculative",
-        setter("speculative_config", SimpleNamespace(method="draft_model")),
+        setter("speculative_config", SimpleNamespace(method="extract_hidden_states")),
     ),
     "prefill_context_parallel": (
         "context_parallel",
@@ -265,7 +265,10 @@ def test_speculative_arguments_run_on_kvblocks(model_dir: Path, kwargs: dict[str
     assert dict(_state.fallbacks) == {}
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize(
+    "method",
+    ["ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark"],
+)
 def test_speculative_methods_run_on_kvblocks(model_dir: Path, method: str) -> None:
     spec_config = setter("speculative_config", SimpleNamespace(method=method))
     assert isinstance(decide(model_dir, spec_config), KVCacheManager)

@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram, suffix, EAGLE, EAGLE-3, MTP): vLLM's scheduler on vLLM's
-KV-cache manager against the same scheduler on kvblocks', step by step (the harness:
-``harness.py``; the drafts: ``tests.vllm_driver.drafts``).
+"""Speculative decoding (n-gram on the CPU and the GPU, suffix, EAGLE, EAGLE-3, MTP, a
+separate draft model, DFlash, DSpark): vLLM's scheduler on vLLM's KV-cache manager against
+the same scheduler on kvblocks', step by step (the harness: ``harness.py``; the drafts:
+``tests.vllm_driver.drafts``).
 
 Every step's record holds the ``SchedulerOutput`` with its scheduled draft tokens, the
 request outputs (accepted drafts plus the bonus token), the prefix-cache and
@@ -8,19 +9,24 @@ speculative-decoding statistics and KV-cache usage, every KV-event batch and eve
 request's block tables. The speculative config is vLLM's own ``SpeculativeConfig``; the
 scheduler derives the manager's arguments from it (EAGLE block drop, lookahead slots, prefill
 lookahead, lookahead hashing), and each run asserts both managers got the same ones, that
-kvblocks' manager and hasher ran (no fallback), and the hasher's lookahead.
+kvblocks' manager and hasher ran (no fallback), the hasher's lookahead, the scheduler class
+(``AsyncScheduler`` under async scheduling) and the model runner vLLM picked (V2 for DSpark,
+which vLLM 0.33 runs on no other: ``tests.vllm_driver.speculative.v2_model_runner``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvblocks.vllm import _state
@@ -31,6 +37,7 @@ from tests.vllm_driver import (
     make_vllm_config,
     sampled_token,
 )
+from tests.vllm_driver.speculative import V2_ONLY, v2_model_runner
 from tests.vllm_tier.harness import (
     Hasher,
     RequestSpec,
@@ -52,12 +59,20 @@ CONFIGS = {
     "eagle-drop": Speculation("eagle", 3, disable_lookahead_block_hashes=True),
     "eagle3": Speculation("eagle3", 2),
     "mtp": Speculation("mtp", 3),  # three MTP modules: num_prefill_lookahead 3
+    # vLLM's GPU n-gram drafter: async scheduling on with the V1 model runner; -1 padding.
+    "ngram_gpu": Speculation("ngram_gpu", 3),
+    "draft_model": Speculation("draft_model", 3),
+    "pard": Speculation("draft_model", 2, parallel_drafting=True),
+    "dflash": Speculation("dflash", 3),
+    "dspark": Speculation("dspark", 3),  # on vLLM's V2 model runner
+    "dspark-fill-in": Speculation("dspark", 2, fill_in=True),
 }
 #: What vLLM 0.33 derives from each config with prefix caching on (its rules, read from
 #: ``vllm/config/vllm.py`` and the scheduler, written out here): draft tokens, lookahead
 #: slots, prefill lookahead, lookahead-hash tokens, and whether the manager drops the last
 #: hit block (``use_eagle``). Without prefix caching nothing is hashed, so the EAGLE
-#: family drops instead.
+#: family drops instead. DFlash and DSpark draft from the target's hidden states alone, so
+#: they neither drop nor hash ahead; DFlash and fill-in DSpark reserve a bonus query's slot.
 EXPECTED = {
     "ngram": (3, 0, 0, 0, False),
     "suffix": (4, 0, 0, 0, False),
@@ -65,7 +80,17 @@ EXPECTED = {
     "eagle-drop": (3, 3, 1, 0, True),
     "eagle3": (2, 2, 1, 1, False),
     "mtp": (3, 3, 3, 3, False),
+    "ngram_gpu": (3, 0, 0, 0, False),
+    "draft_model": (3, 3, 0, 0, False),
+    "pard": (2, 2, 0, 0, False),
+    "dflash": (3, 4, 1, 0, False),
+    "dspark": (3, 3, 1, 0, False),
+    "dspark-fill-in": (2, 3, 1, 0, False),
 }
+#: The input slots each decoding request adds for drafting
+#: (``SpeculativeConfig.max_num_new_slots_for_drafting``, the scheduler's budget): a separate
+#: draft model keeps one unsliced token, PARD queries all k; the others none.
+DRAFT_SLOTS = {"draft_model": 1, "pard": 2}
 EAGLE_FAMILY = {"eagle", "eagle-drop", "eagle3", "mtp"}
 #: gpt-oss's layout (full attention and a sliding window) with a window that matters in a
 #: short run of 4-token blocks.
@@ -94,14 +119,28 @@ def settings_of(scheduler: Scheduler) -> tuple[Any, ...]:
     )
 
 
+def each_manager(
+    model_dir: Path, spec: SchedulerSpec, run: Callable[[Scheduler, Hasher], Any]
+) -> list[Any]:
+    """``on_each_manager`` with the model runner the method needs selected for the whole run
+    (the scheduler reads it when built)."""
+    with v2_model_runner(spec.speculative):
+        return on_each_manager(model_dir, spec, run)
+
+
 def compare(model_dir: Path, script: Script) -> list[Any]:
     """Runs ``script`` on both managers, asserts kvblocks' manager and hasher ran (with the
-    config's lookahead) and that every step is the same; returns stock vLLM's records."""
+    config's lookahead) on the scheduler class and model runner the spec asks for, and that
+    every step is the same; returns stock vLLM's records."""
+    speculation = script.spec.speculative
+    v2 = speculation is not None and speculation.method in V2_ONLY
 
     def noting(scheduler: Scheduler, hasher: Hasher) -> tuple[Any, ...]:
+        assert isinstance(scheduler, AsyncScheduler) == script.spec.async_scheduling
+        assert scheduler.use_v2_model_runner == v2
         return play(script, scheduler, hasher), dict(_state.active), settings_of(scheduler)
 
-    (stock, _, stock_settings), (ours, active, our_settings) = on_each_manager(
+    (stock, _, stock_settings), (ours, active, our_settings) = each_manager(
         model_dir, script.spec, noting
     )
     assert not _state.fallbacks, "kvblocks' manager and hasher must both run"
@@ -160,26 +199,36 @@ def test_the_scheduler_sees_the_speculative_settings(
 
     def inspect(scheduler: Scheduler, hasher: Hasher) -> tuple[Any, ...]:
         groups = scheduler.kv_cache_config.kv_cache_groups
+        config = scheduler.vllm_config.speculative_config
         return (
             settings_of(scheduler),
             [g.is_eagle_group for g in groups],
             groups[1].kv_cache_spec.extra_retained_tokens,
-            scheduler.vllm_config.speculative_config.method,
+            config.method,
+            config.max_num_new_slots_for_drafting,
+            scheduler.use_v2_model_runner,
+            type(scheduler.kv_cache_manager).__module__,
         )
 
-    stock, ours = on_each_manager(model_dir, spec, inspect)
-    assert ours == stock
+    stock, ours = each_manager(model_dir, spec, inspect)
+    assert ours[:-1] == stock[:-1]
+    assert (stock[-1], ours[-1]) == (
+        "vllm.v1.core.kv_cache_manager",
+        "kvblocks.vllm.kv_cache_manager",
+    )
     assert not _state.fallbacks
     k, slots, prefill, hashed, drop = EXPECTED[name]
     if not caching:
         hashed, drop = 0, name in EAGLE_FAMILY
     eagle = name in EAGLE_FAMILY
     # vLLM flags the group of the draft layers (the full-attention one) for the EAGLE family.
-    assert stock == (
+    assert stock[:-1] == (
         (k, slots, prefill, hashed, drop, drop, [0] if eagle else []),
         [eagle, False],
         max(prefill - 1, 0),  # the window keeps the MTP modules' extra tokens
         CONFIGS[name].method,
+        DRAFT_SLOTS.get(name, 0),
+        CONFIGS[name].method in V2_ONLY,
     )
 
 
@@ -192,6 +241,53 @@ def test_speculation_is_checked() -> None:
         Speculation("eagle", mtp_modules=2)
     with pytest.raises(ValueError, match="suffix decoding under async"):
         SchedulerSpec(async_scheduling=True, speculative=Speculation("suffix"))
+    with pytest.raises(ValueError, match="parallel_drafting"):
+        Speculation("eagle", parallel_drafting=True)
+    with pytest.raises(ValueError, match="fill_in"):
+        Speculation("dflash", fill_in=True)
+
+
+class _AsksForAsync(SchedulerSpec):
+    """Asks vLLM's config for async scheduling whatever the method (the driver does not ask
+    for plain n-gram, which the V1 model runner refuses)."""
+
+    @property
+    def config_async_scheduling(self) -> bool:
+        return self.async_scheduling
+
+
+@pytest.mark.parametrize("method", ["ngram_gpu", "draft_model", "dflash"])
+def test_vllm_keeps_async_scheduling_on_for(model_dir: Path, method: str) -> None:
+    """vLLM 0.33's V1 model runner (the CPU's) refuses async scheduling with plain n-gram,
+    and accepts it with the GPU n-gram drafter, a draft model and DFlash: what the issue's
+    ``ngram_gpu`` is for."""
+    with pytest.raises(ValueError, match="ngram-based speculative decoding"):
+        make_vllm_config(
+            model_dir, _AsksForAsync(async_scheduling=True, speculative=Speculation("ngram"))
+        )
+    spec = _AsksForAsync(async_scheduling=True, speculative=Speculation(method))
+    assert make_vllm_config(model_dir, spec).speculative_config.method == method
+
+
+def test_dspark_runs_only_on_the_v2_model_runner(model_dir: Path) -> None:
+    """vLLM 0.33 refuses DSpark on its V1 model runner; the driver selects V2 as a user does
+    (``VLLM_USE_V2_MODEL_RUNNER=1``) while its config is built, and leaves the environment as
+    it was."""
+    from vllm.config import ParallelConfig, VllmConfig
+
+    from kvblocks.vllm.bench.config import model_config
+    from tests.vllm_driver.speculative import speculative_config
+
+    target = model_config(model_dir)
+    dspark = speculative_config(Speculation("dspark", 3), target, ParallelConfig())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+        with pytest.raises(ValueError, match="V1 does not support: dspark"):
+            VllmConfig(model_config=target, speculative_config=dspark)
+        mp.delenv("VLLM_USE_V2_MODEL_RUNNER")
+        config = make_vllm_config(model_dir, SchedulerSpec(speculative=Speculation("dspark", 3)))
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    assert config.speculative_config.method == "dspark"
 
 
 def test_suffix_config_leaves_vllm_as_it_was(model_dir: Path) -> None:
@@ -218,7 +314,7 @@ def outputs_by_request(records: list[Any]) -> dict[str, list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "eagle", "draft_model", "dflash", "dspark"])
 def test_perfect_drafts_are_the_next_outputs(model_dir: Path, method: str) -> None:
     """Drafts that are always right: each draft list scheduled for a request (synchronous
     scheduling hands the scheduler the real tokens) is the request's next outputs, and every
@@ -286,7 +382,61 @@ def test_ngram_proposes_up_to_k_drafts(model_dir: Path) -> None:
     assert lengths == {1, 2, 3}
 
 
+def valid(drafts: list[int]) -> list[int]:
+    """The drafts before the first ``-1`` padding."""
+    return drafts[: drafts.index(-1)] if -1 in drafts else drafts
+
+
+def test_ngram_gpu_schedules_its_padding(model_dir: Path) -> None:
+    """vLLM's GPU n-gram drafter hands the scheduler k drafts a request, its 0..k matches
+    then ``-1``: the scheduler schedules (and the manager allocates for) all k, and the step
+    accepts the right ones, never the padding."""
+    spec = events_spec(200, speculative=Speculation("ngram_gpu", 3))
+    script = shared_prefix_script(spec, 10, seed=4)
+    script.draft_accuracy = 1.0
+    records = compare(model_dir, script)
+    drafts = scheduled_drafts(records)
+    assert {len(tokens) for _, tokens in drafts} == {3}
+    assert {len(valid(tokens)) for _, tokens in drafts} == {0, 1, 2, 3}
+    outputs = outputs_by_request(records)
+    emitted: dict[str, int] = {}
+    for record in steps(records):
+        for request_id, tokens in record[0][6] if record[0] else ():
+            done = emitted.get(request_id, 0)
+            future = outputs[request_id][done : done + len(valid(tokens))]
+            assert valid(tokens)[: len(future)] == future
+        for request_id, new, *_ in record[1]:
+            emitted[request_id] = emitted.get(request_id, 0) + len(new)
+    stats = spec_stats(records)
+    assert sum(s["num_draft_tokens"] for s in stats) == 3 * len(drafts)
+    assert sum(s["num_accepted_tokens"] for s in stats) == sum(len(valid(t)) for _, t in drafts)
+
+
+def test_ngram_gpu_under_async_scheduling(model_dir: Path) -> None:
+    """The point of ``ngram_gpu``: n-gram drafting with async scheduling (an
+    ``AsyncScheduler``, which ``compare`` asserts), on kvblocks' manager. The scheduler
+    schedules k placeholders; the worker verifies its own matches, never its padding."""
+    spec = events_spec(200, async_scheduling=True, speculative=Speculation("ngram_gpu", 3))
+    script = shared_prefix_script(spec, 10, seed=4)
+    script.draft_accuracy = 1.0
+    records = compare(model_dir, script)
+    drafts = scheduled_drafts(records)
+    assert drafts
+    assert all(tokens == [-1] * 3 for _, tokens in drafts)
+    stats = spec_stats(records)
+    accepted = sum(s["num_accepted_tokens"] for s in stats)
+    assert 0 < accepted < sum(s["num_draft_tokens"] for s in stats)
+    assert max(len(new) for r in steps(records) for _, new, *_ in r[1]) == 4
+
+
 # Stock vLLM against kvblocks, step by step.
+
+
+#: Pools other than 40 blocks (prefix caching) or 56 (none) for :func:`matrix_script`: DFlash's
+#: bonus slot leaves a long prompt on gpt-oss preempting itself forever under async scheduling
+#: in 40 blocks, on vLLM's own manager; a draft model without prefix caching does not preempt
+#: on llama in 56.
+MATRIX_POOLS = {("dflash", True): 42, ("draft_model", False): 60}
 
 
 def matrix_script(name: str, layout: str, sync_or_async: str, *, caching: bool = True) -> Script:
@@ -294,9 +444,9 @@ def matrix_script(name: str, layout: str, sync_or_async: str, *, caching: bool =
     KV events on, aborts (one of a waiting request), salts, a LoRA, a failed and an idle
     cache reset, a repeated prompt after it. (Without prefix caching the pool is larger: a
     40-block pool leaves a long prompt on gpt-oss preempting itself forever under async
-    scheduling, on either manager.)"""
+    scheduling, on either manager; :data:`MATRIX_POOLS` has the other exceptions.)"""
     spec = events_spec(
-        40 if caching else 56,
+        MATRIX_POOLS.get((name, caching), 40 if caching else 56),
         layout=LAYOUTS[layout],
         async_scheduling=sync_or_async == "async",
         enable_caching=caching,
@@ -343,9 +493,16 @@ def test_step_by_step_without_prefix_caching(
 # Random scripts.
 
 
+#: The methods kvblocks serves since the GPU n-gram drafter's issue (their own random
+#: scripts and mixes, so that the earlier ones keep their draws).
+NEWER_METHODS = ["ngram_gpu", "draft_model", "dflash", "dspark"]
+
+
 @st.composite
-def speculative_scripts(draw: st.DrawFn) -> Script:
-    method = draw(st.sampled_from(["ngram", "suffix", "eagle", "eagle3", "mtp"]))
+def speculative_scripts(
+    draw: st.DrawFn, methods: tuple[str, ...] = ("ngram", "suffix", "eagle", "eagle3", "mtp")
+) -> Script:
+    method = draw(st.sampled_from(methods))
     k = draw(st.integers(1, 4))
     caching = draw(st.sampled_from([True, True, False]))
     # vLLM reuses MTP modules only in whole rounds (k a multiple of their number).
@@ -357,6 +514,8 @@ def speculative_scripts(draw: st.DrawFn) -> Script:
         disable_eagle_block_drop=draw(st.sampled_from([False, False, False, True])),
         mtp_modules=modules if method == "mtp" else None,
         draft_groups=draw(st.sampled_from([None, None, (), (0,), (0, 1)])),
+        parallel_drafting=method == "draft_model" and draw(st.booleans()),
+        fill_in=method == "dspark" and draw(st.booleans()),
     )
     block_size = draw(st.sampled_from([2, 4, 8]))
     multi_module = method == "mtp" and min(speculation.mtp_modules or k, k) > 1
@@ -436,17 +595,28 @@ def test_random_scripts(model_dir: Path, script: Script) -> None:
     compare(model_dir, script)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=speculative_scripts(tuple(NEWER_METHODS)))
+def test_random_scripts_of_the_newer_methods(model_dir: Path, script: Script) -> None:
+    """n-gram on the GPU (async scheduling drawn half the time), a draft model (and PARD),
+    DFlash and DSpark (sampling from the anchor or filling in)."""
+    compare(model_dir, script)
+
+
 # The review paths' random mixes, speculating.
 
 
-def speculative_mix(seed: int) -> tuple[SchedulerSpec, int, Any]:
+def speculative_mix(seed: int, methods: list[str] | None = None) -> tuple[SchedulerSpec, int, Any]:
     """``test_review_paths.random_case`` (streaming sessions, stop tokens, prompt logprobs,
     the priority policy, resets preempting running requests, long-prefill thresholds,
     ``scheduler_reserve_full_isl``, tiny pools) with a random speculative config and layout;
     outputs one step late under async scheduling, else at once."""
     spec, _, actions = random_case(seed)
     rng = random.Random(f"speculative-{seed}")
-    methods = ["ngram", "eagle", "eagle3", "mtp"] + ([] if spec.async_scheduling else ["suffix"])
+    if methods is None:
+        methods = ["ngram", "eagle", "eagle3", "mtp"] + (
+            [] if spec.async_scheduling else ["suffix"]
+        )
     method = rng.choice(methods)
     k = rng.randint(1, 4)
     if method == "mtp" and spec.enable_caching:
@@ -457,6 +627,8 @@ def speculative_mix(seed: int) -> tuple[SchedulerSpec, int, Any]:
         k,
         disable_lookahead_block_hashes=rng.random() < 0.4,
         mtp_modules=k if method == "mtp" else None,
+        parallel_drafting=method == "draft_model" and rng.random() < 0.5,
+        fill_in=method == "dspark" and rng.random() < 0.5,
     )
     groups = 1 if isinstance(layout, str) else 2
     spec = dataclasses.replace(
@@ -475,6 +647,18 @@ def test_random_mixes_of_the_review_paths(model_dir: Path, seed: int) -> None:
     stock, ours = review_paths_both(model_dir, spec, actions, lag=lag)
     assert_same(stock, ours)
     assert stock[-1][:1] != ("raised",), stock[-1]  # every mix runs to its end
+    assert scheduled_drafts(stock)
+
+
+@pytest.mark.parametrize("seed", range(24, 40))
+def test_random_mixes_of_the_review_paths_with_the_newer_methods(
+    model_dir: Path, seed: int
+) -> None:
+    spec, lag, actions = speculative_mix(seed, NEWER_METHODS)
+    with v2_model_runner(spec.speculative):
+        stock, ours = review_paths_both(model_dir, spec, actions, lag=lag)
+    assert_same(stock, ours)
+    assert stock[-1][:1] != ("raised",), stock[-1]
     assert scheduled_drafts(stock)
 
 

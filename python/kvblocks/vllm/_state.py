@@ -94,7 +94,8 @@ _TEXTS = {
     Reason.EC_CONNECTOR: "an encoder-cache connector (ec_transfer_config)",
     Reason.AUX_OUTPUT: "auxiliary outputs (routed experts) that read the block pool",
     Reason.SPECULATIVE: "a speculative-decoding method kvblocks does not implement "
-    "(it implements n-gram, suffix, EAGLE, EAGLE-3 and MTP)",
+    "(it implements n-gram on the CPU and the GPU, suffix, EAGLE, EAGLE-3, MTP, a separate "
+    "draft model, DFlash and DSpark; not extract_hidden_states or a custom class)",
     Reason.CONTEXT_PARALLEL: "decode or prefill context parallelism",
     Reason.METRICS_COLLECTOR: "the KV-cache metrics collector (--kv-cache-metrics)",
     Reason.MAMBA_PREFIX_CACHING: "prefix caching with Mamba or linear-attention groups together "

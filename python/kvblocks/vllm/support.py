@@ -15,8 +15,9 @@ option it does not know included, falls back to vLLM's own manager:
   zeroing (which Mamba layers and mixed-precision caches need) as vLLM does it;
 - vLLM's unitary, hybrid and no-prefix-cache coordinators (any number of such groups, prefix
   caching on or off);
-- speculative decoding by n-gram, suffix, EAGLE, EAGLE-3 or MTP (the EAGLE block drop,
-  lookahead slots, prefill lookahead, lookahead hashing);
+- speculative decoding by n-gram (``ngram``, ``ngram_gpu``), suffix, EAGLE, EAGLE-3, MTP, a
+  separate draft model, DFlash or DSpark (the EAGLE block drop, lookahead slots, prefill
+  lookahead, lookahead hashing: :data:`SPECULATIVE_METHODS`);
 - vLLM's retention interval (passed to ``_core.KVCacheManager`` with caching on) where vLLM's own
   coordinator accepts it (its check decides; a refused one is ``vllm_rejects``);
 - vLLM's native CPU offloading (the ``OffloadingConnector``, ``--kv-offloading-size``),
@@ -55,9 +56,22 @@ KIND_MANAGERS = {
     "chunked_local": "ChunkedLocalAttentionManager",
     "mamba": "MambaManager",
 }
-#: The speculative-decoding methods kvblocks runs (what its manager sees of them: the
-#: EAGLE block drop, lookahead slots and hashing).
-SPECULATIVE_METHODS = frozenset({"ngram", "suffix", "eagle", "eagle3", "mtp"})
+#: The speculative-decoding methods kvblocks runs. vLLM's scheduler is vLLM's own code; what
+#: reaches the manager of a method is only what vLLM derives from its ``SpeculativeConfig``
+#: (the EAGLE block drop and lookahead hashing, ``use_eagle_block_drop()``; prefill
+#: lookahead; lookahead slots, ``VllmConfig.num_lookahead_tokens``) and the KV-cache groups
+#: its draft layers join, each checked as any other. Per method (vLLM 0.33):
+#: n-gram on the CPU or the GPU (``ngram_gpu``, which keeps async scheduling on the V1 model
+#: runner) and suffix decoding: none of them; EAGLE and EAGLE-3: the drop or lookahead
+#: hashing, one prefill-lookahead token, k slots; MTP: the same with a prefill lookahead of k
+#: for several modules; a separate draft model (``draft_model``, PARD too): k slots;
+#: DFlash: one prefill-lookahead token, k + 1 slots, no drop; DSpark (V2 model runner): as
+#: DFlash, k slots when it samples from the anchor. Not run: ``extract_hidden_states``
+#: (it drafts nothing; its hidden-state cache is a spec kvblocks does not implement) and
+#: ``custom_class`` (a user's proposer class), and any method vLLM may add.
+SPECULATIVE_METHODS = frozenset(
+    {"ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark"}
+)
 #: The keyword arguments vLLM 0.33's scheduler passes to ``KVCacheManager``.
 MANAGER_ARGUMENTS = frozenset(
     {
