@@ -301,11 +301,19 @@ def _engine_defaults(args: argparse.Namespace, **defaults: Any) -> None:
             setattr(args, name, value)
 
 
+#: How to install the vLLM that ``--engine vllm`` benchmarks: 0.33, where kvblocks' manager
+#: runs (the [vllm] extra alone would take 0.34 in a new environment).
+VLLM_FOR_BENCH = 'pip install ".[vllm]" "vllm==0.33.0" in a kvblocks checkout'
+
+
 def vllm_missing_message(error: ModuleNotFoundError) -> str:
     """What ``--engine vllm`` says when an import fails: vLLM itself is missing, or vLLM is
     there but one of its own dependencies is not (vLLM installed with ``--no-deps``)."""
     if error.name == "vllm":
-        return f"--engine vllm needs vLLM 0.33, which is not installed: {install_hint('vllm')}"
+        return (
+            "--engine vllm needs vLLM 0.33 (kvblocks' manager is not ported to 0.34 yet), which "
+            f"is not installed: {VLLM_FOR_BENCH}"
+        )
     return (
         f"--engine vllm: vLLM is installed, but a module it imports is missing: {error.name!r} "
         f"({error}); install the package that provides it, or reinstall vLLM with its "
@@ -575,7 +583,7 @@ def parser() -> argparse.ArgumentParser:
         choices=["kvblocks", "vllm"],
         default="kvblocks",
         help="kvblocks: kvblocks.LLM, Rust vs the Python reference (default); vllm: vLLM 0.33's "
-        'scheduler, stock vs with kvblocks (needs vLLM 0.33: pip install ".[vllm]")',
+        f"scheduler, stock vs with kvblocks (needs vLLM 0.33: {VLLM_FOR_BENCH})",
     )
     e.add_argument("--num-requests", type=positive_int, help="default 32 (kvblocks), 256 (vllm)")
     e.add_argument(

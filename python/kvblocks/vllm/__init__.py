@@ -1,4 +1,4 @@
-"""kvblocks inside vLLM 0.33: a vLLM general plugin.
+"""kvblocks inside vLLM (0.33; on 0.34 the hasher so far): a vLLM general plugin.
 
 Installed with ``pip install ".[vllm]"`` in a kvblocks checkout, vLLM loads it through the
 entry point ``vllm.general_plugins`` (``kvblocks = "kvblocks.vllm:register"``) in every process

@@ -1,4 +1,4 @@
-"""kvblocks' request block hasher for vLLM 0.33: a drop-in for
+"""kvblocks' request block hasher for vLLM 0.33 and 0.34: a drop-in for
 ``vllm.v1.core.kv_cache_utils.get_request_block_hasher``.
 
 vLLM calls the returned function with a ``Request`` when the request is built and after every
