@@ -222,11 +222,14 @@ def v2_model_runner(speculation: Speculation | None) -> Iterator[None]:
 
 @contextmanager
 def _arctic_inference_check_passes() -> Iterator[None]:
-    """vLLM's suffix-decoding config checks that ``arctic_inference`` can be imported; the
-    scheduler never imports it (the worker's proposer does), so the check is answered yes
-    while the config is built."""
+    """vLLM 0.33's suffix-decoding config checks that ``arctic_inference`` can be imported;
+    the scheduler never imports it (the worker's proposer does), so the check is answered yes
+    while the config is built. (vLLM 0.34 has no such check.)"""
     from vllm.config import speculative
 
+    if not hasattr(speculative, "has_arctic_inference"):
+        yield
+        return
     original = speculative.has_arctic_inference
     speculative.has_arctic_inference = lambda: True
     try:

@@ -295,10 +295,10 @@ def test_suffix_config_leaves_vllm_as_it_was(model_dir: Path) -> None:
     for the moment, then the check is vLLM's again."""
     from vllm.config import speculative
 
-    check = speculative.has_arctic_inference
+    check = getattr(speculative, "has_arctic_inference", None)  # (vLLM 0.34 has none)
     spec = SchedulerSpec(speculative=Speculation("suffix", 4))
     config = make_vllm_config(model_dir, spec).speculative_config
-    assert speculative.has_arctic_inference is check
+    assert getattr(speculative, "has_arctic_inference", None) is check
     assert (config.method, config.num_speculative_tokens) == ("suffix", 4)
     assert type(config) is speculative.SpeculativeConfig
 
