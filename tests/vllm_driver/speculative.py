@@ -59,6 +59,23 @@ DRAFT_MODEL_METHODS = frozenset({"eagle", "eagle3", "mtp", "draft_model", "dflas
 V2_ONLY = frozenset({"dspark"})
 
 
+def _release() -> tuple[int, ...]:
+    """The installed vLLM's major and minor version."""
+    from kvblocks.vllm.versions import installed_vllm_version
+
+    version = installed_vllm_version() or "0.0"
+    return tuple(int(part) for part in version.split(".")[:2])
+
+
+#: Whether the installed vLLM drafts a separate draft model in parallel (PARD,
+#: ``parallel_drafting`` with ``draft_model``): 0.33 does; 0.34 dropped it (the flag is
+#: deprecated there, and refused for any method but DFlash and DSpark).
+HAS_PARD = _release() < (0, 34)
+#: Whether the installed vLLM still has its V1 model runner beside the V2 one (0.33: the
+#: scheduler's ``use_v2_model_runner`` says which runs); 0.34 has only the V2 runner.
+HAS_V1_MODEL_RUNNER = _release() < (0, 34)
+
+
 @dataclass(frozen=True)
 class Speculation:
     """Speculative decoding as a ``SchedulerSpec`` asks for it: the method, the draft length
@@ -95,6 +112,8 @@ class Speculation:
             raise ValueError("mtp_modules is a positive count, for method 'mtp' only")
         if self.parallel_drafting and self.method != "draft_model":
             raise ValueError("parallel_drafting is for method 'draft_model' only")
+        if self.parallel_drafting and not HAS_PARD:
+            raise ValueError("this vLLM has no parallel drafting for 'draft_model' (PARD)")
         if self.fill_in and self.method != "dspark":
             raise ValueError("fill_in is for method 'dspark' only")
 

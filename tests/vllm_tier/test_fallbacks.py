@@ -135,6 +135,11 @@ CONFIG_CASES: dict[str, tuple[str, Callable[[Any], None]]] = {
         "speculative",
         setter("speculative_config", SimpleNamespace(method="extract_hidden_states")),
     ),
+    # vLLM 0.34's registered speculator: a built-in base method, its own name apart.
+    "custom_speculator": (
+        "speculative",
+        setter("speculative_config", SimpleNamespace(method="eagle", custom_method="my_drafter")),
+    ),
     "prefill_context_parallel": (
         "context_parallel",
         setter("parallel_config.prefill_context_parallel_size", 2),

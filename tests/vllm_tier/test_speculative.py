@@ -37,7 +37,7 @@ from tests.vllm_driver import (
     make_vllm_config,
     sampled_token,
 )
-from tests.vllm_driver.speculative import V2_ONLY, v2_model_runner
+from tests.vllm_driver.speculative import HAS_PARD, HAS_V1_MODEL_RUNNER, V2_ONLY, v2_model_runner
 from tests.vllm_tier.harness import (
     Hasher,
     RequestSpec,
@@ -62,7 +62,7 @@ CONFIGS = {
     # vLLM's GPU n-gram drafter: async scheduling on with the V1 model runner; -1 padding.
     "ngram_gpu": Speculation("ngram_gpu", 3),
     "draft_model": Speculation("draft_model", 3),
-    "pard": Speculation("draft_model", 2, parallel_drafting=True),
+    **({"pard": Speculation("draft_model", 2, parallel_drafting=True)} if HAS_PARD else {}),
     "dflash": Speculation("dflash", 3),
     "dspark": Speculation("dspark", 3),  # on vLLM's V2 model runner
     "dspark-fill-in": Speculation("dspark", 2, fill_in=True),
@@ -137,7 +137,8 @@ def compare(model_dir: Path, script: Script) -> list[Any]:
 
     def noting(scheduler: Scheduler, hasher: Hasher) -> tuple[Any, ...]:
         assert isinstance(scheduler, AsyncScheduler) == script.spec.async_scheduling
-        assert scheduler.use_v2_model_runner == v2
+        # vLLM 0.34 has only the V2 model runner, and no flag for it.
+        assert getattr(scheduler, "use_v2_model_runner", v2) == v2
         return play(script, scheduler, hasher), dict(_state.active), settings_of(scheduler)
 
     (stock, _, stock_settings), (ours, active, our_settings) = each_manager(
@@ -206,7 +207,7 @@ def test_the_scheduler_sees_the_speculative_settings(
             groups[1].kv_cache_spec.extra_retained_tokens,
             config.method,
             config.max_num_new_slots_for_drafting,
-            scheduler.use_v2_model_runner,
+            getattr(scheduler, "use_v2_model_runner", None),
             type(scheduler.kv_cache_manager).__module__,
         )
 
@@ -228,7 +229,7 @@ def test_the_scheduler_sees_the_speculative_settings(
         max(prefill - 1, 0),  # the window keeps the MTP modules' extra tokens
         CONFIGS[name].method,
         DRAFT_SLOTS.get(name, 0),
-        CONFIGS[name].method in V2_ONLY,
+        CONFIGS[name].method in V2_ONLY if HAS_V1_MODEL_RUNNER else None,
     )
 
 
@@ -258,13 +259,15 @@ class _AsksForAsync(SchedulerSpec):
 
 @pytest.mark.parametrize("method", ["ngram_gpu", "draft_model", "dflash"])
 def test_vllm_keeps_async_scheduling_on_for(model_dir: Path, method: str) -> None:
-    """vLLM 0.33's V1 model runner (the CPU's) refuses async scheduling with plain n-gram,
-    and accepts it with the GPU n-gram drafter, a draft model and DFlash: what the issue's
-    ``ngram_gpu`` is for."""
-    with pytest.raises(ValueError, match="ngram-based speculative decoding"):
-        make_vllm_config(
-            model_dir, _AsksForAsync(async_scheduling=True, speculative=Speculation("ngram"))
-        )
+    """vLLM 0.33's V1 model runner (the CPU's) refuses async scheduling with plain n-gram
+    (0.34 has only its V2 runner, which accepts it), and accepts it with the GPU n-gram
+    drafter, a draft model and DFlash: what the issue's ``ngram_gpu`` is for."""
+    plain = _AsksForAsync(async_scheduling=True, speculative=Speculation("ngram"))
+    if HAS_V1_MODEL_RUNNER:
+        with pytest.raises(ValueError, match="ngram-based speculative decoding"):
+            make_vllm_config(model_dir, plain)
+    else:  # vLLM 0.34 (V2 model runner only) accepts it
+        assert make_vllm_config(model_dir, plain).speculative_config.method == "ngram"
     spec = _AsksForAsync(async_scheduling=True, speculative=Speculation(method))
     assert make_vllm_config(model_dir, spec).speculative_config.method == method
 
@@ -281,10 +284,11 @@ def test_dspark_runs_only_on_the_v2_model_runner(model_dir: Path) -> None:
     target = model_config(model_dir)
     dspark = speculative_config(Speculation("dspark", 3), target, ParallelConfig())
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-        with pytest.raises(ValueError, match="V1 does not support: dspark"):
-            VllmConfig(model_config=target, speculative_config=dspark)
-        mp.delenv("VLLM_USE_V2_MODEL_RUNNER")
+        if HAS_V1_MODEL_RUNNER:  # (vLLM 0.34 has only the V2 runner, and no such variable)
+            mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+            with pytest.raises(ValueError, match="V1 does not support: dspark"):
+                VllmConfig(model_config=target, speculative_config=dspark)
+            mp.delenv("VLLM_USE_V2_MODEL_RUNNER")
         config = make_vllm_config(model_dir, SchedulerSpec(speculative=Speculation("dspark", 3)))
         assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
     assert config.speculative_config.method == "dspark"
@@ -514,7 +518,7 @@ def speculative_scripts(
         disable_eagle_block_drop=draw(st.sampled_from([False, False, False, True])),
         mtp_modules=modules if method == "mtp" else None,
         draft_groups=draw(st.sampled_from([None, None, (), (0,), (0, 1)])),
-        parallel_drafting=method == "draft_model" and draw(st.booleans()),
+        parallel_drafting=method == "draft_model" and HAS_PARD and draw(st.booleans()),
         fill_in=method == "dspark" and draw(st.booleans()),
     )
     block_size = draw(st.sampled_from([2, 4, 8]))
@@ -627,7 +631,7 @@ def speculative_mix(seed: int, methods: list[str] | None = None) -> tuple[Schedu
         k,
         disable_lookahead_block_hashes=rng.random() < 0.4,
         mtp_modules=k if method == "mtp" else None,
-        parallel_drafting=method == "draft_model" and rng.random() < 0.5,
+        parallel_drafting=method == "draft_model" and HAS_PARD and rng.random() < 0.5,
         fill_in=method == "dspark" and rng.random() < 0.5,
     )
     groups = 1 if isinstance(layout, str) else 2

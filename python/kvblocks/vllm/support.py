@@ -68,7 +68,8 @@ KIND_MANAGERS = {
 #: DFlash: one prefill-lookahead token, k + 1 slots, no drop; DSpark (V2 model runner): as
 #: DFlash, k slots when it samples from the anchor. Not run: ``extract_hidden_states``
 #: (it drafts nothing; its hidden-state cache is a spec kvblocks does not implement) and
-#: ``custom_class`` (a user's proposer class), and any method vLLM may add.
+#: ``custom_class`` (a user's proposer class), a speculator registered with vLLM 0.34's
+#: ``register_speculative_method`` (its ``custom_method`` is set), and any method vLLM may add.
 SPECULATIVE_METHODS = frozenset(
     {"ngram", "ngram_gpu", "suffix", "eagle", "eagle3", "mtp", "draft_model", "dflash", "dspark"}
 )
@@ -217,7 +218,12 @@ def unsupported_config(
     if vllm_config.aux_output_config.enabled:
         return Reason.AUX_OUTPUT
     speculative = vllm_config.speculative_config
-    if speculative is not None and getattr(speculative, "method", None) not in SPECULATIVE_METHODS:
+    if speculative is not None and (
+        getattr(speculative, "method", None) not in SPECULATIVE_METHODS
+        # vLLM 0.34's registered speculators report the built-in method they are based on and
+        # keep their own name in custom_method: their scheduler side is theirs, not the base's.
+        or getattr(speculative, "custom_method", None) is not None
+    ):
         return Reason.SPECULATIVE
     parallel = vllm_config.parallel_config
     if parallel.decode_context_parallel_size != 1 or parallel.prefill_context_parallel_size != 1:
