@@ -199,7 +199,9 @@ def test_mixed_precision_zeroing_with_prefix_caching(
 ) -> None:
     """KV-cache zeroing without Mamba (vLLM turns it on for mixed-precision caches): every
     attention group's fresh blocks, with prefix hits, windows and events."""
-    monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: True))
+    # A mixed-precision cache, from which each release derives needs_kv_cache_zeroing (0.33:
+    # a property; 0.34: a field its __post_init__ sets).
+    monkeypatch.setattr(KVCacheConfig, "has_mixed_precision_kv_cache", property(lambda self: True))
     spec = SchedulerSpec(
         layout=[("full", 0), ("sliding_window", 16)],
         num_blocks=81,

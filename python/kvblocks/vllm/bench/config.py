@@ -319,6 +319,14 @@ def make_scheduler(
         from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
+
+    # EngineCore records both on the config it gives the scheduler; a KV connector's scheduler
+    # side reads them (vLLM 0.34's NIXL and Mooncake truncate a prefill's hashes by them).
+    kv_cache_config.hash_block_size = hash_block_size
+    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_cache_config, vllm_config, block_size, hash_block_size
+    )
     return scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
