@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def _scheduler_only_cpu_platform() -> Iterator[None]:
+def scheduler_only_cpu_platform() -> Iterator[None]:
     """TEST AND BENCHMARK ONLY: while the driver's ``VllmConfig`` is built, vLLM 0.34's CPU
     platform check is told Triton is there, so that it does not refuse x86 without Triton
     ("vLLM on x86 CPUs requires Triton (triton-cpu)"; PyPI has no triton-cpu, and PyPI's
@@ -159,7 +159,7 @@ class SchedulerSpec(base.SchedulerSpec):
     def building_config(self) -> Iterator[None]:
         # A method only vLLM's V2 model runner runs (DSpark) is validated as on V2; a run
         # that steps the scheduler holds ``v2_model_runner`` too (the scheduler reads it).
-        with _scheduler_only_cpu_platform(), v2_model_runner(self.speculative):
+        with scheduler_only_cpu_platform(), v2_model_runner(self.speculative):
             yield
 
     def kv_cache_tensors(self, groups: list[KVCacheGroupSpec]) -> list[Any]:

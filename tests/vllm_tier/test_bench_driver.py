@@ -21,7 +21,24 @@ import json, os, sys
 from kvblocks.vllm.bench import config as bench_config
 
 state = {"at_import": [os.environ.get("VLLM_TARGET_DEVICE"), "vllm.config" in sys.modules]}
-config = bench_config.make_vllm_config(bench_config.tiny_model_dir(), bench_config.SchedulerSpec())
+# The test-only Triton flag for vLLM 0.34's CPU platform, as the tier's other configs have it,
+# entered once the driver has selected the platform (entering it imports vLLM's platforms).
+import contextlib
+from tests.vllm_driver.config import scheduler_only_cpu_platform
+
+flag = contextlib.ExitStack()
+select = bench_config.select_cpu_platform
+
+def select_then_flag():
+    select()
+    flag.enter_context(scheduler_only_cpu_platform())
+
+bench_config.select_cpu_platform = select_then_flag
+with flag:
+    config = bench_config.make_vllm_config(
+        bench_config.tiny_model_dir(), bench_config.SchedulerSpec()
+    )
+bench_config.select_cpu_platform = select
 from vllm.platforms import current_platform, interface
 
 state["built"] = [os.environ.get("VLLM_TARGET_DEVICE"), current_platform.is_cpu()]
@@ -42,7 +59,8 @@ print(json.dumps(state))
 def test_the_driver_selects_the_cpu_platform_when_it_builds_a_config() -> None:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     package_root = str(Path(kvblocks.__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
+    repo_root = str(Path(__file__).resolve().parents[2])  # for the test driver's flag
+    env["PYTHONPATH"] = os.pathsep.join([package_root, repo_root, env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600
     )

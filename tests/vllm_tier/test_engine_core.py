@@ -79,7 +79,7 @@ from tests.vllm_driver import (
     sampled_token,
     write_model_dir,
 )
-from tests.vllm_driver.config import _scheduler_only_cpu_platform
+from tests.vllm_driver.config import scheduler_only_cpu_platform
 from tests.vllm_driver.speculative import speculative_config
 
 BLOCK_SIZE = 16
@@ -421,7 +421,7 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         transfer = nixl.kv_transfer_config(NIXL[layout])
     # vLLM 0.34's CPU platform refuses x86 without Triton: told it is there while this
     # configuration is checked (test only: the driver's flag; no model runner runs here).
-    with _scheduler_only_cpu_platform():
+    with scheduler_only_cpu_platform():
         vllm_config = VllmConfig(
             model_config=model_config,
             kv_transfer_config=transfer,

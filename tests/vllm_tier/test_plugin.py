@@ -18,6 +18,7 @@ from vllm.v1.core.sched import scheduler as scheduler_module
 import kvblocks.vllm
 from kvblocks.vllm import _state
 from tests.vllm_driver import LAYOUTS, VOCAB_SIZE, SchedulerSpec, block_hasher
+from tests.vllm_driver.config import scheduler_only_cpu_platform
 from tests.vllm_tier.harness import (
     HASHER_MODULES,
     assert_same,
@@ -305,7 +306,8 @@ def test_kvblocks_bench_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     from kvblocks.cli import main
 
     _state.fallbacks.clear()
-    assert main(BENCH_ARGV) == 0
+    with scheduler_only_cpu_platform():
+        assert main(BENCH_ARGV) == 0
     assert dict(_state.fallbacks) == {}  # the kvblocks side ran on kvblocks throughout
     out, err = capsys.readouterr()
     # vLLM's warnings, repeated at every run, are summed up after the progress bar, and
@@ -347,7 +349,8 @@ def test_kvblocks_bench_engine_vllm_layout(
     _state.fallbacks.clear()
     argv = ["bench", "--engine", "vllm", "--layout", layout, "--num-requests", "8"]
     argv += ["--prefix-len", "160", "--suffix-len", "40", "--output-len", "4", "--rounds", "1"]
-    assert main([*argv, "--num-blocks", "128"]) == 0
+    with scheduler_only_cpu_platform():
+        assert main([*argv, "--num-blocks", "128"]) == 0
     out = capsys.readouterr().out
     assert f"KV-cache layout {layout}: {groups} (128 per group)" in out
     assert "scheduler outputs: identical in every run" in out
@@ -372,7 +375,8 @@ def test_kvblocks_bench_engine_vllm_fails_when_kvblocks_did_not_run(
         monkeypatch.setattr(block_hasher_module, "_hash_function_names", dict)
         ran = "manager kvblocks.vllm.kv_cache_manager, hasher vllm.v1.core.kv_cache_utils"
         reason = _state.Reason.HASH_FN.text
-    assert main(BENCH_ARGV) == 2
+    with scheduler_only_cpu_platform():
+        assert main(BENCH_ARGV) == 2
     out, err = capsys.readouterr()
     assert "scheduler-side CPU time" not in out
     assert (
