@@ -301,18 +301,26 @@ def _engine_defaults(args: argparse.Namespace, **defaults: Any) -> None:
             setattr(args, name, value)
 
 
-#: How to install the vLLM that ``--engine vllm`` benchmarks: 0.33, where kvblocks' manager
-#: runs (the [vllm] extra alone would take 0.34 in a new environment).
-VLLM_FOR_BENCH = 'pip install ".[vllm]" "vllm==0.33.0" in a kvblocks checkout'
+#: How to install the vLLM that ``--engine vllm`` benchmarks (0.33 or 0.34, the releases
+#: kvblocks' manager runs on).
+VLLM_FOR_BENCH = 'pip install ".[vllm]" in a kvblocks checkout'
+#: vLLM 0.34 refuses x86 CPUs without Triton's CPU backend (``triton-cpu``, not on PyPI):
+#: what the benchmark, which runs vLLM's scheduler on the CPU platform, says there.
+VLLM_NEEDS_TRITON = (
+    "--engine vllm: this vLLM refuses x86 CPUs without Triton's CPU backend (triton-cpu, not "
+    "on PyPI): run the benchmark where vLLM finds Triton (a machine with a GPU), or benchmark "
+    'vLLM 0.33 here: pip install ".[vllm]" "vllm==0.33.0" in a kvblocks checkout'
+)
 
 
 def vllm_missing_message(error: ModuleNotFoundError) -> str:
     """What ``--engine vllm`` says when an import fails: vLLM itself is missing, or vLLM is
     there but one of its own dependencies is not (vLLM installed with ``--no-deps``)."""
     if error.name == "vllm":
+        from kvblocks.vllm.versions import supported_range
+
         return (
-            "--engine vllm needs vLLM 0.33 (kvblocks' manager is not ported to 0.34 yet), which "
-            f"is not installed: {VLLM_FOR_BENCH}"
+            f"--engine vllm needs vllm{supported_range()}, which is not installed: {VLLM_FOR_BENCH}"
         )
     return (
         f"--engine vllm: vLLM is installed, but a module it imports is missing: {error.name!r} "
@@ -348,7 +356,7 @@ def _manager_not_running() -> str | None:
 
 
 def bench_vllm(args: argparse.Namespace) -> int:
-    """Stock vLLM 0.33 against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU)."""
+    """Stock vLLM against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU)."""
     _engine_defaults(
         args,
         num_requests=256,
@@ -421,7 +429,13 @@ def bench_vllm(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs or args.num_requests,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
-        prepare(spec)
+        try:
+            prepare(spec)
+        except RuntimeError as e:
+            if "requires Triton" not in str(e):
+                raise
+            print(VLLM_NEEDS_TRITON, file=sys.stderr)
+            return 2
     _print_logs(summary(start_up), "vLLM's start-up said:")
     show, total, done = _bar("vLLM scheduler"), len(IMPLS) * (args.rounds + 1), [0]
 
@@ -582,8 +596,8 @@ def parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["kvblocks", "vllm"],
         default="kvblocks",
-        help="kvblocks: kvblocks.LLM, Rust vs the Python reference (default); vllm: vLLM 0.33's "
-        f"scheduler, stock vs with kvblocks (needs vLLM 0.33: {VLLM_FOR_BENCH})",
+        help="kvblocks: kvblocks.LLM, Rust vs the Python reference (default); vllm: vLLM's "
+        f"scheduler, stock vs with kvblocks (needs vLLM 0.33 or 0.34: {VLLM_FOR_BENCH})",
     )
     e.add_argument("--num-requests", type=positive_int, help="default 32 (kvblocks), 256 (vllm)")
     e.add_argument(

@@ -33,6 +33,7 @@ VERSION = "0.33.0"
 STORED = fingerprints.stored_path(VERSION)
 NEXT_STORED = fingerprints.stored_path("0.34.0")
 KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"
+_REQUEST = "vllm/v1/request.py"
 #: An allocation-rule change a patch release could make: usage counts the null block.
 POOL_EDIT = ("vllm/v1/core/block_pool.py", "self.num_gpu_blocks - 1\n", "self.num_gpu_blocks\n")
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
@@ -139,7 +140,16 @@ def test_the_sources_of_a_release() -> None:
         "prefix_hash_config",
     )
     assert all(not s.releases for s in new.values())
-    assert {r for entries in PORTED.values() for s in entries for r in s.releases} == {"0.34"}
+    assert {r for entries in PORTED.values() for s in entries for r in s.releases} == {
+        "0.33",
+        "0.34",
+    }
+    # The manager's rule that moved: 0.33's hit-limit flag, 0.34's methods of the request.
+    old_request = next(s for s in sources("kv_cache_manager", "0.33.0") if s.path == _REQUEST)
+    new_request = next(s for s in sources("kv_cache_manager", "0.34.0") if s.path == _REQUEST)
+    assert "Request.get_skip_reading_prefix_cache" in old_request.objects
+    assert "Request.get_skip_reading_prefix_cache" not in new_request.objects
+    assert "Request.get_max_cache_hit_length" in new_request.objects
 
 
 # -- the check is cheap ------------------------------------------------------------------
@@ -446,8 +456,9 @@ needs_next = pytest.mark.skipif(
 def test_a_part_the_release_file_lacks_falls_back_naming_the_ported_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dir: Path
 ) -> None:
-    """A release whose fingerprint file holds the hasher only (as 0.34.0's does): the hasher
-    runs, the manager is vLLM's, and status() says it is not ported there yet."""
+    """A release whose fingerprint file holds the hasher only (as 0.34.0's did while its
+    manager was being ported): the hasher runs, the manager is vLLM's, and status() says it
+    is not ported there yet."""
     document = fingerprints.compute(fingerprints.vllm_root(), VERSION, ["hasher"])
     (tmp_path / STORED.name).write_text(json.dumps(document), encoding="utf-8")
     monkeypatch.setattr(fingerprints, "DIRECTORY", tmp_path)
@@ -482,52 +493,90 @@ def test_cli_writes_the_parts_ported(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 @needs_next
 def test_the_stored_0_34_fingerprints_are_vllm_0_34s() -> None:
-    """The 0.34.0 file holds the hasher only, computed from the real 0.34.0 tree: the whole
-    files' digests against hashlib over the files."""
+    """The 0.34.0 file holds both parts, computed from the real 0.34.0 tree: the whole files'
+    digests against hashlib over the files."""
     assert NEXT is not None
     root = Path(NEXT)
     stored = fingerprints.load(NEXT_STORED)
     assert stored["vllm"] == "0.34.0"
-    assert fingerprints.not_ported(stored) == ["kv_cache_manager"]
-    assert fingerprints.compute(root, "0.34.0", ["hasher"]) == stored
+    assert fingerprints.not_ported(stored) == []
+    assert fingerprints.compute(root, "0.34.0") == stored
     assert fingerprints.changes(stored, root) == {}
-    for path, entry in stored["parts"]["hasher"].items():
-        assert entry["sha256"] == hashlib.sha256((root / path).read_bytes()).hexdigest()
-    assert {s.path for s in sources("hasher", "0.34.0")} == set(stored["parts"]["hasher"])
+    for part in PORTED:
+        for path, entry in stored["parts"][part].items():
+            assert entry["sha256"] == hashlib.sha256((root / path).read_bytes()).hexdigest()
+        assert {s.path for s in sources(part, "0.34.0")} == set(stored["parts"][part])
 
 
-#: Statements vLLM 0.34 added that kvblocks' hasher relies on, each changed the way a patch
-#: release could: the hasher must step aside, naming the source.
+#: Statements vLLM 0.34 added or moved that kvblocks relies on, each changed the way a patch
+#: release could: (file, old text, new text, the parts that must step aside, the object named).
 NEXT_EDITS = {
     "token_buffer": (
         "vllm/v1/token_buffer.py",
         'return super().__new__(cls, "i", tokens)',
         'return super().__new__(cls, "l", tokens)',
+        ("hasher", "kv_cache_manager"),
         "vllm/v1/token_buffer.py",
     ),
     "frontend_block_hashes": (
         KV_CACHE_UTILS,
         "max(prompt_len - prefix_hash_config.num_lookahead_tokens, 0)",
         "max(prompt_len, 0)",
+        ("hasher",),
         f"{KV_CACHE_UTILS}::frontend_block_hashes",
     ),
     "engine_core_frontend_hashes": (
         "vllm/v1/engine/core.py",
         "frontend_hashes = frontend_block_hashes(request, self.prefix_hash_config)",
         "frontend_hashes = frontend_block_hashes(request, None)",
+        ("hasher",),
         "vllm/v1/engine/core.py::EngineCore.preprocess_add_request",
+    ),
+    # The hit limit both of the manager's lookups take.
+    "hit_limit": (
+        "vllm/v1/request.py",
+        "if params is not None and params.skip_reading_prefix_cache:",
+        "if params is not None and not params.skip_reading_prefix_cache:",
+        ("kv_cache_manager",),
+        "vllm/v1/request.py::Request.get_prefix_cache_hit_limit",
+    ),
+    # NIXL and Mooncake truncate a prefill's hashes with its tokens.
+    "truncate_block_hashes": (
+        "vllm/v1/request.py",
+        "max(0, self.num_tokens - num_hash_lookahead_tokens) // hash_block_size",
+        "max(0, self.num_tokens) // hash_block_size",
+        ("kv_cache_manager",),
+        "vllm/v1/request.py::Request.truncate_block_hashes",
+    ),
+    # When vLLM hashes with lookahead: with the connectors that declare it.
+    "lookahead_resolution": (
+        "vllm/config/vllm.py",
+        "if not connector_cls.supports_lookahead_block_hashes(kv_transfer_config):",
+        "if connector_cls.supports_lookahead_block_hashes(kv_transfer_config):",
+        ("kv_cache_manager",),
+        "vllm/config/vllm.py::VllmConfig._resolve_num_hash_lookahead_tokens",
+    ),
+    # The scheduler's condition around a call into the manager (it names no manager itself):
+    # Mamba's states are cached at a request's stop in synchronous mode too.
+    "if_around_cache_blocks": (
+        SCHEDULER,
+        "self.has_mamba_layers\n" + " " * 28 + "and not self.scheduler_config.async_scheduling",
+        "self.has_mamba_layers\n" + " " * 28 + "and self.scheduler_config.async_scheduling",
+        ("kv_cache_manager",),
+        f"{SCHEDULER}::Scheduler.update_from_output",
     ),
 }
 
 
 @needs_next
 @pytest.mark.parametrize("case", list(NEXT_EDITS))
-def test_a_changed_0_34_statement_turns_the_hasher_off(case: str, tmp_path: Path) -> None:
+def test_a_changed_0_34_statement_turns_its_parts_off(case: str, tmp_path: Path) -> None:
     assert NEXT is not None
-    for source in sources("hasher", "0.34.0"):
-        (tmp_path / source.path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(Path(NEXT) / source.path, tmp_path / source.path)
-    path, old, new, named = NEXT_EDITS[case]
+    for part in PORTED:
+        for source in sources(part, "0.34.0"):
+            (tmp_path / source.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(NEXT) / source.path, tmp_path / source.path)
+    path, old, new, parts, named = NEXT_EDITS[case]
     edit(tmp_path, path, old, new)
     found = fingerprints.changes(fingerprints.load(NEXT_STORED), tmp_path)
-    assert found == {"hasher": [fingerprints.Change("changed", named)]}
+    assert found == {part: [fingerprints.Change("changed", named)] for part in parts}

@@ -13,12 +13,14 @@ manager must have run (``both`` asserts it)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vllm.config import SchedulerConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 import kvblocks.vllm
@@ -329,3 +331,31 @@ def test_nixl_with_cpu_offloading(
     assert any(record[0][STORES] for record in records), "blocks stored to the CPU tier"
     assert any(record[0][LOADS] for record in records), "blocks loaded from the CPU tier"
     assert any(record[4] for record in stock[:-1]), "the prefix cache was reset"
+
+
+HAS_KV_LOAD_PARKING = "max_num_inflight_kv_loads" in {
+    f.name for f in dataclasses.fields(SchedulerConfig)
+}
+
+
+@pytest.mark.skipif(
+    not HAS_KV_LOAD_PARKING,
+    reason="vLLM 0.33 has no --max-num-inflight-kv-loads (0.34's parked async KV loads; run "
+    "on 0.34: docs/porting.md)",
+)
+@pytest.mark.parametrize("layout", ["llama", "qwen3.5"])
+def test_parked_async_kv_loads(model_dir: Path, layout: str, async_scheduling: bool) -> None:
+    """vLLM 0.34 caps the async KV loads in flight (``max_num_inflight_kv_loads``): the decode
+    requests past it wait in their own queue, their remaining blocks reserved through the
+    coordinator's ``get_num_blocks_to_allocate``, and start while the batch is full. The same
+    steps with kvblocks' manager."""
+    limit = {"max_num_inflight_kv_loads": 1}
+    spec = spec_for(layout, scheduler=limit, async_scheduling=async_scheduling, max_num_seqs=4)
+    script = disaggregated_script(spec, 24, seed=3)
+    stock, ours = both(model_dir, script)
+    assert_same(stock, ours)
+    assert_decode_requests_got_remote_kv(records_of(stock), "pull")
+    # Not vacuous: without the cap vLLM schedules otherwise.
+    free = dataclasses.replace(script, spec=dataclasses.replace(spec, scheduler={}))
+    uncapped, _ = both(model_dir, free)
+    assert records_of(uncapped) != records_of(stock)

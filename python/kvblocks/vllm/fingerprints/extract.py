@@ -93,7 +93,8 @@ class Module:
         """For each top-level function and each method of a top-level class whose text
         names one of ``words``: the fingerprint of the statements there that name one
         (simple statements whole; for ``if``/``for``/``while``/``with``, the header only, the
-        body statement by statement). So an edit elsewhere in a long method changes nothing."""
+        body statement by statement), with the headers of the compound statements around
+        them. So an edit elsewhere in a long method changes nothing."""
         pattern = re.compile(rb"\b(?:" + b"|".join(re.escape(w.encode()) for w in words) + rb")\b")
         parts: dict[str, list[bytes]] = {}
         for name, node in self._functions():
@@ -124,24 +125,28 @@ def _binds(stmt: ast.stmt, name: str) -> bool:
 def _naming_nodes(
     body: list[ast.stmt], pattern: re.Pattern[bytes], text: Callable[[_Node], bytes]
 ) -> Iterator[_Node]:
-    """The statements (or compound-statement headers) of ``body`` whose text matches."""
+    """The statements (or compound-statement headers) of ``body`` whose text matches, and the
+    header of every compound statement that holds one (the ``if`` around a call decides
+    whether the call is made, so it is as much the caller's contract as the call)."""
     for stmt in body:
         headers = _COMPOUND_HEADERS.get(type(stmt))
         if headers is None and not isinstance(stmt, _Def):
             if pattern.search(text(stmt)):
                 yield stmt
             continue
+        inner: list[_Node] = []
+        if isinstance(stmt, ast.Try | ast.TryStar):
+            for handler in stmt.handlers:
+                inner.extend(_naming_nodes(handler.body, pattern, text))
+        if isinstance(stmt, ast.Match):
+            for case in stmt.cases:
+                inner.extend(_naming_nodes(case.body, pattern, text))
+        for field in ("body", "orelse", "finalbody"):
+            inner.extend(_naming_nodes(getattr(stmt, field, []), pattern, text))
         for field in headers or ():
             value = getattr(stmt, field)
             for part in value if isinstance(value, list) else [value]:
                 node = part.context_expr if isinstance(part, ast.withitem) else part
-                if pattern.search(text(node)):
+                if inner or pattern.search(text(node)):
                     yield node
-        if isinstance(stmt, ast.Try | ast.TryStar):
-            for handler in stmt.handlers:
-                yield from _naming_nodes(handler.body, pattern, text)
-        if isinstance(stmt, ast.Match):
-            for case in stmt.cases:
-                yield from _naming_nodes(case.body, pattern, text)
-        for field in ("body", "orelse", "finalbody"):
-            yield from _naming_nodes(getattr(stmt, field, []), pattern, text)
+        yield from inner

@@ -194,6 +194,35 @@ PORTED: dict[str, tuple[Source, ...]] = {
         ),
         # The request fields the manager reads, and the statuses it admits.
         Source(_REQUEST, objects=("Request.__init__", "Request.num_tokens", "RequestStatus")),
+        # The prefix-cache hit limit both lookups take: vLLM 0.33's skip_reading_prefix_cache
+        # (set in Request.__init__), 0.34's methods of the request, which kvblocks' manager
+        # calls, and the hashes NIXL and Mooncake truncate with a prefill's tokens.
+        Source(_REQUEST, objects=("Request.get_skip_reading_prefix_cache",), releases=("0.33",)),
+        Source(
+            _REQUEST,
+            objects=(
+                "Request.get_prefix_cache_hit_limit",
+                "Request.get_max_cache_hit_length",
+                "Request.skip_reading_external_kv",
+                "Request.truncate_block_hashes",
+            ),
+            releases=("0.34",),
+        ),
+        # vLLM 0.34: the int32 TokenBuffer that the manager's view of a request reads in place.
+        Source("vllm/v1/token_buffer.py", releases=("0.34",)),
+        # When vLLM hashes blocks with lookahead (the manager's num_hash_lookahead_tokens, whose
+        # range the guard checks): 0.33 with prefix caching and no connector; 0.34 also with
+        # the connectors that declare it, resolved once.
+        Source(
+            "vllm/config/vllm.py",
+            objects=("VllmConfig.num_hash_lookahead_tokens",),
+            releases=("0.33",),
+        ),
+        Source(
+            "vllm/config/vllm.py",
+            objects=("VllmConfig._resolve_num_hash_lookahead_tokens",),
+            releases=("0.34",),
+        ),
         # The KV connectors kvblocks' manager serves, the OffloadingConnector and NIXL's pull
         # and push connectors: what they read of the manager (the block pool at binding, each
         # block of a request's table at admission, the unhashed blocks, the ids of finished
