@@ -115,7 +115,7 @@ RELEASES = {
             version="0.34.0",
             sdist_sha256="fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113",
             test_files=(*_CORE_0_34, *_OFFLOADING, *_CONNECTORS_0_34),
-            ported=(HASHER,),
+            ported=(HASHER, MANAGER),
             expected_name="expected_failures-0.34.0.txt",
             unpack=("tests/", "pyproject.toml", _HASH_VECTORS),
             # 0.34's CpuPlatform.check_and_update_config refuses x86 without Triton.

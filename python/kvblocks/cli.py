@@ -195,6 +195,7 @@ def bench_engine(args: argparse.Namespace) -> int:
         backend="both",
         num_blocks=KVBLOCKS_ENGINE_NUM_BLOCKS,
         max_num_batched_tokens=KVBLOCKS_ENGINE_MAX_NUM_BATCHED_TOKENS,
+        block_size=16,
     )
     needs = _blocks_one_request_needs(args)
     if needs > args.num_blocks - 1:  # block 0 is the null block; arithmetic before any work
@@ -389,6 +390,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
     with held_back() as start_up:
         try:
             import vllm  # noqa: F401
+            from vllm.config import CacheConfig
 
             from kvblocks.vllm.bench import (
                 IMPLS,
@@ -404,6 +406,8 @@ def bench_vllm(args: argparse.Namespace) -> int:
         except ModuleNotFoundError as e:
             print(vllm_missing_message(e), file=sys.stderr)
             return 2
+        # The block size vLLM gives a model that does not ask for one.
+        _engine_defaults(args, block_size=CacheConfig.DEFAULT_BLOCK_SIZE)
         needs = _blocks_one_request_needs(args)
         if any(kind in ("full", "mla") for kind, _ in layout_groups(args.layout)) and (
             needs > args.num_blocks - 1
@@ -613,7 +617,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--output-len", type=positive_int, default=32, help="tokens generated per request"
     )
-    e.add_argument("--block-size", type=positive_int, default=16)
+    e.add_argument(
+        "--block-size",
+        type=positive_int,
+        help="default 16 (kvblocks), vLLM's own default block size (vllm: 16 on 0.33, 64 on 0.34)",
+    )
     e.add_argument(
         "--hash-algo",
         choices=kvblocks.HASH_ALGORITHMS,

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import vllm.plugins
+from vllm.config import CacheConfig
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.sched import scheduler as scheduler_module
@@ -317,6 +318,8 @@ def test_kvblocks_bench_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     assert repeated[1].endswith(" times)"), repeated
     assert "INFO [vllm.kvblocks] kvblocks: installed into vLLM" in err
     assert "KV-cache layout llama: 1 group (full attention), 256 blocks (256 per group)" in out
+    # vLLM's own default block size (16 on 0.33, 64 on 0.34), as a model that names none gets
+    assert f"block size {CacheConfig.DEFAULT_BLOCK_SIZE}," in out
     assert "stock" in out
     assert "with kvblocks" in out
     assert "scheduler outputs: identical in every run" in out
