@@ -580,3 +580,19 @@ def test_a_changed_0_34_statement_turns_its_parts_off(case: str, tmp_path: Path)
     edit(tmp_path, path, old, new)
     found = fingerprints.changes(fingerprints.load(NEXT_STORED), tmp_path)
     assert found == {part: [fingerprints.Change("changed", named)] for part in parts}
+
+
+@needs_next
+def test_cli_diff_lists_what_a_new_release_changed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 2 of docs/porting.md: the 0.34.0 tree against 0.33.0's fingerprints lists, by
+    part, the sources 0.34 changed (exit status 1); --diff and --write exclude each other."""
+    assert NEXT is not None
+    argv = ["--diff", "--vllm-root", NEXT, "--version", "0.33.0"]
+    assert fingerprints_cli.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "hasher: 2 differ" in out
+    assert "kv_cache_manager: " in out
+    assert "  changed  vllm/v1/core/block_pool.py" in out
+    assert "  removed  vllm/v1/request.py::Request.get_skip_reading_prefix_cache" in out
+    with pytest.raises(SystemExit):
+        fingerprints_cli.main(["--diff", "--write"])

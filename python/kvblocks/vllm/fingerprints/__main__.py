@@ -1,5 +1,6 @@
-"""``python -m kvblocks.vllm.fingerprints [--write [--parts P,Q]]``: compares the installed
-vllm's sources with kvblocks' stored fingerprints and prints what differs, by part;
+"""``python -m kvblocks.vllm.fingerprints [--diff | --write [--parts P,Q]]``: compares the
+installed vllm's sources (or ``--vllm-root``'s) with kvblocks' stored fingerprints and prints
+what differs, by part, each object changed, new or removed (``--diff``, the default);
 ``--write`` (when a new vLLM release has been ported and tested) stores the installed vllm's
 fingerprints as ``vllm-<version>.json``, of the parts ported to it (``--parts``; default
 all). Compared with that release's file, or else the newest stored one. Exit status: 0 when
@@ -48,7 +49,13 @@ def _print_changes(document: fp.Document, root: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvblocks.vllm.fingerprints")
-    parser.add_argument("--write", action="store_true", help="store the installed vllm's")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument(
+        "--diff",
+        action="store_true",
+        help="list what differs from the stored fingerprints, by part (the default)",
+    )
+    action.add_argument("--write", action="store_true", help="store the installed vllm's")
     parser.add_argument("--vllm-root", type=Path, help="the directory holding vllm/")
     parser.add_argument("--version", help="the vllm version (default: the installed one)")
     parser.add_argument("--dir", type=Path, default=fp.DIRECTORY, help="the fingerprint files")
