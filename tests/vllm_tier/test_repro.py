@@ -1,7 +1,8 @@
 """Two scenarios where stock vLLM raises inside ``allocate_slots`` and kvblocks' manager goes
 on, found by a differential fuzz run of vLLM 0.33's scheduler (``data/*.json``: the
 configuration, the layout, the requests with their token ids, and stock vLLM's traceback).
-Replayed here on the driver's scheduler: stock vLLM raises at the step the file names,
+Replayed here on the driver's scheduler, on each vLLM release the tier runs on (``.ci/run``:
+0.33 and 0.34): stock vLLM raises at the step the file names,
 kvblocks' manager (active, nothing fell back) takes the documented decision there, the steps
 before are identical, and every allocation passes kvblocks' invariant (a violation raises).
 docs/vllm.md, "Where kvblocks differs", explains both."""
