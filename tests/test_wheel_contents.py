@@ -28,6 +28,8 @@ ALLOWLIST = {
     "kvblocks/kv_events.py",
     "kvblocks/stats.py",
     "kvblocks/step.py",
+    # The routing index for fleets of vLLM replicas (on the native RouterIndex).
+    "kvblocks/router.py",
     # kvblocks inside vLLM: the plugin, hasher (and the prompt hasher for frontends), manager,
     # scheduler hook, allowlist (support), status, the releases it supports and the
     # fingerprints of the vLLM rules it reproduces.
@@ -63,6 +65,7 @@ ALLOWLIST = {
     "kvblocks/reference/hashing.py",
     "kvblocks/reference/manager.py",
     "kvblocks/reference/pool.py",
+    "kvblocks/reference/router.py",
     "kvblocks/reference/sequence.py",
     # The embedded engine (the [torch] extra): scheduler, engine, runtime, model.
     "kvblocks/scheduler.py",

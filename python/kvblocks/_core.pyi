@@ -1,7 +1,7 @@
 """Type stubs for the native module (checked against it by ``mypy.stubtest``)."""
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Final, final
+from typing import Any, ClassVar, Final, final
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,7 @@ __all__ = [
     "KVCacheGroup",
     "KVCacheManager",
     "KvBlocksError",
+    "RouterIndex",
     "TokenSequence",
     "__version__",
 ]
@@ -354,3 +355,34 @@ class KVCacheBlockView:
     def block_hash(self) -> bytes | None: ...
     @property
     def is_null(self) -> bool: ...
+
+@final
+class RouterIndex:
+    """The cluster-wide block table of ``kvblocks.router``: for each (block hash, group,
+    medium) key, the replicas (ids ``0`` to ``MAX_REPLICAS - 1``) that hold it. Block hashes
+    are ``bytes`` (vLLM's) or ints (the last 8 bytes big-endian, as vLLM's KV events publish
+    them by default)."""
+
+    MAX_REPLICAS: ClassVar[int]
+    def __new__(cls, seed: int = 0) -> RouterIndex: ...
+    def add_replica(self, replica: int) -> None: ...
+    def clear_replica(self, replica: int) -> int: ...
+    def remove_replica(self, replica: int) -> int: ...
+    def store(
+        self, replica: int, hashes: Iterable[bytes | int], group: int, medium: int
+    ) -> int: ...
+    def remove(
+        self, replica: int, hashes: Iterable[bytes | int], group: int, medium: int
+    ) -> int: ...
+    def prefix_blocks(
+        self, hashes: Iterable[bytes | int], group: int, medium: int
+    ) -> dict[int, int]: ...
+    def holds(self, replica: int, hash: bytes | int, group: int, medium: int) -> bool: ...
+    def held(self, replica: int) -> int: ...
+    @property
+    def replicas(self) -> list[int]: ...
+    @property
+    def num_keys(self) -> int: ...
+    @property
+    def table_bytes(self) -> int: ...
+    def counts(self) -> dict[str, int]: ...

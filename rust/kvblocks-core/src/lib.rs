@@ -16,6 +16,7 @@ pub mod hashing;
 pub mod kv_cache;
 pub mod pool;
 mod requests;
+pub mod router;
 mod sequence;
 mod stats;
 
@@ -35,5 +36,6 @@ pub use kv_cache::{
     RequestState,
 };
 pub use requests::RequestRef;
+pub use router::{block_key, int_block_key, RouterCounts, RouterIndex, MAX_REPLICAS};
 pub use sequence::TokenSequence;
 pub use stats::PrefixCacheStats;

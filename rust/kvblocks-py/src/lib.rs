@@ -21,6 +21,7 @@ mod ints;
 mod keys;
 mod kv_cache;
 mod manager;
+mod router;
 mod sequence;
 mod step;
 mod sync;
@@ -48,5 +49,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv_cache::PyKvCacheBlockIds>()?;
     m.add_class::<kv_cache::PyKvCacheBlockView>()?;
     m.add_class::<kv_cache::PyKvCacheGroup>()?;
+    m.add_class::<router::PyRouterIndex>()?;
     Ok(())
 }

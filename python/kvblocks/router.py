@@ -1,0 +1,250 @@
+"""A KV-aware routing index for fleets of vLLM replicas, on vLLM's own block hashes.
+
+A router in front of several vLLM replicas sends each request where most of its prompt is
+already cached. Each replica publishes its cache changes as KV events (``--kv-events-config``:
+``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared`` in ``KVEventBatch``es, per KV-cache
+group and medium). :class:`RoutingIndex` applies those batches to a cluster-wide block table
+in Rust (``kvblocks._core.RouterIndex``) and, for a request's prompt, computes each replica's
+block hashes exactly as that replica's engine does (:class:`kvblocks.vllm.PromptBlockHasher`,
+from its ``PrefixHashConfig``) and returns the prefix tokens each replica's scheduler would
+find cached.
+
+What it reproduces, and what it refuses to guess:
+
+- the hit of replicas whose KV-cache groups are all full attention (one or several groups,
+  MLA included) with the group block size equal to the hash block size: the longest run of
+  leading blocks that every group holds, up to vLLM's limit of ``num_tokens - 1`` prompt
+  tokens (the last token is always computed);
+- a replica with a group of another kind (sliding window, chunked local attention, Mamba),
+  or a prompt its hasher cannot reproduce byte for byte (prompt embeddings, ...): ``None``
+  for that replica, never a guess.
+
+Index keys are the last 8 bytes of vLLM's block hash (what vLLM publishes by default as an
+int) with the group and medium: exact up to a 64-bit key collision (probability 2^-64 per
+pair of blocks). The index trusts no publisher: an event for an unknown replica raises, a
+removal of a block the replica never stored and a repeated store are counted
+(:meth:`RoutingIndex.counts`) and change nothing, and an unknown event type is counted and
+skipped.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvblocks._core import RouterIndex
+from kvblocks.vllm.frontend import PromptBlockHasher
+
+__all__ = ["GPU", "ReplicaLayout", "RoutingIndex"]
+
+#: vLLM's medium of the device cache (``vllm.distributed.kv_events.MEDIUM_GPU``); events
+#: without a medium are the device's.
+GPU = "GPU"
+#: KV-cache group kinds whose hit rule is a plain longest prefix (vLLM's
+#: ``FullAttentionManager``), as ``BlockStored.kv_cache_spec_kind`` names them.
+_PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """A replica's KV-cache groups, as its engine has them: one kind per group id
+    (``BlockStored.kv_cache_spec_kind``: ``full_attention``, ``mla_attention``,
+    ``sliding_window``, ``mamba``, ...) and the groups' block size."""
+
+    kinds: tuple[str, ...] = ("full_attention",)
+    block_size: int | None = None  # default: the replica's hash block size
+
+    def __post_init__(self) -> None:
+        if not self.kinds or not all(isinstance(k, str) for k in self.kinds):
+            raise ValueError(f"kinds must name each KV-cache group, got {self.kinds!r}")
+        if self.block_size is not None and (
+            type(self.block_size) is not int or self.block_size < 1
+        ):
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+
+
+class _Replica:
+    __slots__ = ("exact", "hash_block_size", "hasher", "id", "kinds", "name")
+
+    def __init__(self, name: str, rid: int, config: Any, layout: ReplicaLayout) -> None:
+        self.name = name
+        self.id = rid
+        self.hasher = PromptBlockHasher(config)
+        self.hash_block_size: int = config.hash_block_size
+        self.kinds = layout.kinds
+        block_size = layout.block_size or self.hash_block_size
+        # Where the longest common prefix is not vLLM's hit rule, say so rather than guess.
+        self.exact = all(k in _PREFIX_KINDS for k in layout.kinds) and (
+            block_size == self.hash_block_size
+        )
+
+
+class RoutingIndex:
+    """Which replica holds which block, fed by each replica's KV event batches."""
+
+    def __init__(self) -> None:
+        self._core = RouterIndex(secrets.randbits(64))
+        self._replicas: dict[str, _Replica] = {}
+        self._media: dict[str, int] = {GPU: 0}
+        self._skipped_events = 0
+
+    # -- replicas ------------------------------------------------------------------------
+
+    def add_replica(
+        self, name: str, prefix_hash_config: Any, layout: ReplicaLayout | None = None
+    ) -> None:
+        """Registers a replica: its name, its engine's ``PrefixHashConfig`` (vLLM 0.34's
+        ``vllm.v1.engine.PrefixHashConfig``, or any object with its fields ``hash_algo``,
+        ``hash_block_size``, ``none_hash`` and ``num_lookahead_tokens``) and its KV-cache
+        groups (default: one full-attention group)."""
+        if not isinstance(name, str):
+            raise TypeError(f"a replica name must be a str, got {type(name).__name__}")
+        if name in self._replicas:
+            raise ValueError(f"replica {name!r} is already in the index")
+        used = {r.id for r in self._replicas.values()}
+        free = next((i for i in range(RouterIndex.MAX_REPLICAS) if i not in used), None)
+        if free is None:
+            raise ValueError(f"the index holds at most {RouterIndex.MAX_REPLICAS} replicas")
+        replica = _Replica(name, free, prefix_hash_config, layout or ReplicaLayout())
+        self._core.add_replica(free)
+        self._replicas[name] = replica
+
+    def remove_replica(self, name: str) -> int:
+        """Forgets a replica and its blocks; returns how many blocks it held."""
+        replica = self._replica(name)
+        dropped: int = self._core.remove_replica(replica.id)
+        del self._replicas[name]
+        return dropped
+
+    def clear_replica(self, name: str) -> int:
+        """Drops a replica's blocks (a restart: its cache is empty again); returns how many."""
+        cleared: int = self._core.clear_replica(self._replica(name).id)
+        return cleared
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def _replica(self, name: str) -> _Replica:
+        try:
+            return self._replicas[name]
+        except KeyError:
+            raise KeyError(f"no replica {name!r} in the index") from None
+
+    def _medium(self, medium: str | None) -> int:
+        if medium is None:
+            return 0
+        found = self._media.get(medium)
+        if found is None:
+            if not isinstance(medium, str):
+                raise TypeError(f"a medium must be a str, got {type(medium).__name__}")
+            found = self._media[medium] = len(self._media)
+        return found
+
+    # -- events --------------------------------------------------------------------------
+
+    def apply(self, name: str, batch: Any) -> None:
+        """Applies one of a replica's ``KVEventBatch``es (vLLM's class, decoded from its
+        publisher's messages, or anything with an ``events`` list of vLLM's event classes)."""
+        self.apply_events(name, batch.events)
+
+    def apply_events(self, name: str, events: Iterable[Any]) -> None:
+        """Applies a replica's events in order (see :meth:`apply`). Event types the index does
+        not know are counted (:meth:`counts`, ``skipped_events``) and skipped."""
+        rid = self._replica(name).id
+        core = self._core
+        for event in events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                group = event.group_idx or 0
+                core.store(rid, event.block_hashes, group, self._medium(event.medium))
+            elif kind == "BlockRemoved":
+                group = event.group_idx or 0
+                core.remove(rid, event.block_hashes, group, self._medium(event.medium))
+            elif kind == "AllBlocksCleared":
+                core.clear_replica(rid)
+            else:
+                self._skipped_events += 1
+
+    def counts(self) -> dict[str, int]:
+        """What the index applied and refused: blocks ``stored``, ``removed``, ``cleared``;
+        ``repeated_stores`` and ``unknown_removals`` (changed nothing); ``skipped_events``."""
+        counts: dict[str, int] = self._core.counts()
+        counts["skipped_events"] = self._skipped_events
+        return counts
+
+    def held(self, name: str) -> int:
+        """Blocks the replica holds, over all its groups and media."""
+        held: int = self._core.held(self._replica(name).id)
+        return held
+
+    @property
+    def num_keys(self) -> int:
+        """Distinct (block, group, medium) keys in the index."""
+        keys: int = self._core.num_keys
+        return keys
+
+    @property
+    def table_bytes(self) -> int:
+        """Bytes the index's table has allocated."""
+        size: int = self._core.table_bytes
+        return size
+
+    # -- scoring -------------------------------------------------------------------------
+
+    def score(
+        self,
+        prompt_token_ids: Sequence[int] | Any,
+        *,
+        lora_request: Any = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[Any] | None = None,
+        medium: str = GPU,
+    ) -> dict[str, int | None]:
+        """For each replica, the prompt tokens its scheduler would find cached in ``medium``
+        (see the module's documentation), or None where kvblocks cannot reproduce that
+        replica's rule for this prompt."""
+        num_tokens = len(prompt_token_ids)
+        medium_id = self._media.get(medium)
+        scores: dict[str, int | None] = {}
+        hashes_by_config: dict[int, list[bytes] | None] = {}
+        for name, replica in self._replicas.items():
+            if not replica.exact:
+                scores[name] = None
+                continue
+            key = id(replica.hasher)
+            if key not in hashes_by_config:
+                hashes_by_config[key] = replica.hasher.block_hashes(
+                    prompt_token_ids,
+                    lora_request=lora_request,
+                    cache_salt=cache_salt,
+                    mm_features=mm_features,
+                )
+            hashes = hashes_by_config[key]
+            if hashes is None:
+                scores[name] = None
+                continue
+            if medium_id is None:
+                scores[name] = 0
+                continue
+            # vLLM looks up at most num_tokens - 1 tokens: the last one is always computed.
+            usable = hashes[: max(num_tokens - 1, 0) // replica.hash_block_size]
+            blocks = min(
+                self._core.prefix_blocks(usable, group, medium_id)[replica.id]
+                for group in range(len(replica.kinds))
+            )
+            scores[name] = blocks * replica.hash_block_size
+        return scores
+
+    def best(self, prompt_token_ids: Sequence[int] | Any, **request: Any) -> str | None:
+        """The replica with the most cached prefix tokens (the first registered on a tie),
+        or None with no replica whose hit kvblocks can reproduce."""
+        scores = self.score(prompt_token_ids, **request)
+        known = [
+            (tokens, -i, name)
+            for i, (name, tokens) in enumerate(scores.items())
+            if tokens is not None
+        ]
+        return max(known)[2] if known else None

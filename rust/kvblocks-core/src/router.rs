@@ -1,0 +1,354 @@
+//! A cluster-wide block table for KV-aware routing: which replica holds which block.
+//!
+//! Each vLLM replica publishes its cache changes as KV events (a block stored, a block
+//! removed, everything cleared), per KV-cache group and medium. The index keeps, for every
+//! block hash it has seen, the set of replicas that hold it, and answers the question a router
+//! asks for a request: how many of its leading blocks each replica holds.
+//!
+//! A key is the last 8 bytes of vLLM's block hash (a sha256 or xxhash digest, uniformly
+//! distributed; what vLLM publishes by default as an int) mixed with the group and the
+//! medium: 8 bytes, and a replica set of one bit per
+//! replica (up to [`MAX_REPLICAS`]), so an indexed block costs one 16-byte entry however many
+//! replicas hold it. Two different blocks share a key with probability 2^-64 per pair (for ten
+//! million blocks, about 3 in a million that any pair does): the index is exact up to that.
+//!
+//! Nothing here trusts a publisher: a removal of a block the replica never stored is counted
+//! and dropped, a repeated store is counted and changes nothing, and every call either
+//! applies in full or refuses (an unknown replica) without changing the index.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+
+use crate::{CoreError, CoreResult};
+
+/// The most replicas one index tracks (one bit each).
+pub const MAX_REPLICAS: usize = 64;
+
+/// The index key of a block hash (`bytes`): its last 8 bytes read big-endian (what vLLM
+/// publishes as the block's hash with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, its default;
+/// shorter hashes are zero-extended), mixed with its KV-cache group and medium.
+pub fn block_key(hash: &[u8], group: u32, medium: u32) -> u64 {
+    let tail = hash.get(hash.len().saturating_sub(8)..).unwrap_or_default();
+    let value = tail.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
+    int_block_key(value, group, medium)
+}
+
+/// The index key of a block hash vLLM published as an int (the last 8 bytes of the hash,
+/// big-endian): the same key [`block_key`] gives the hash's bytes.
+pub fn int_block_key(value: u64, group: u32, medium: u32) -> u64 {
+    let tag = (u64::from(group) << 32) | u64::from(medium);
+    value ^ mix(tag)
+}
+
+/// splitmix64's finalizer: a bijection that spreads every input bit over the output.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Hashes a key for the table with a seed drawn per index, so that no publisher can choose
+/// hashes that pile into one bucket.
+#[derive(Clone, Copy)]
+struct SeededKeys(u64);
+
+struct KeyHasher {
+    seed: u64,
+    value: u64,
+}
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        mix(self.value ^ self.seed)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.value = self.value.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.value = value;
+    }
+}
+
+impl BuildHasher for SeededKeys {
+    type Hasher = KeyHasher;
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher { seed: self.0, value: 0 }
+    }
+}
+
+/// What the index has applied and refused, for monitoring a fleet's event streams.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RouterCounts {
+    /// Blocks a replica stored that it did not hold yet.
+    pub stored: u64,
+    /// Blocks a replica removed that it held.
+    pub removed: u64,
+    /// Stores of a block the replica already held (changed nothing).
+    pub repeated_stores: u64,
+    /// Removals of a block the replica did not hold (changed nothing).
+    pub unknown_removals: u64,
+    /// Blocks dropped by a replica's clear or removal.
+    pub cleared: u64,
+}
+
+/// The cluster-wide block table. See the module's documentation.
+pub struct RouterIndex {
+    table: HashMap<u64, u64, SeededKeys>,
+    /// One bit per registered replica.
+    live: u64,
+    /// Blocks each replica holds.
+    held: [u64; MAX_REPLICAS],
+    counts: RouterCounts,
+}
+
+fn bit(replica: usize) -> CoreResult<u64> {
+    if replica >= MAX_REPLICAS {
+        return Err(CoreError::OutOfRange {
+            what: "replica",
+            value: replica,
+            limit: MAX_REPLICAS - 1,
+        });
+    }
+    Ok(1u64 << replica)
+}
+
+impl RouterIndex {
+    /// An empty index with no replica; `seed` keys its table (any value; a random one keeps
+    /// publishers from predicting bucket placement).
+    pub fn new(seed: u64) -> Self {
+        RouterIndex {
+            table: HashMap::with_hasher(SeededKeys(mix(seed))),
+            live: 0,
+            held: [0; MAX_REPLICAS],
+            counts: RouterCounts::default(),
+        }
+    }
+
+    fn live_bit(&self, replica: usize) -> CoreResult<u64> {
+        let b = bit(replica)?;
+        if self.live & b == 0 {
+            return Err(CoreError::InvalidArgument(format!("no replica {replica} in the index")));
+        }
+        Ok(b)
+    }
+
+    /// Registers replica `replica` (0 to [`MAX_REPLICAS`] - 1), holding nothing.
+    pub fn add_replica(&mut self, replica: usize) -> CoreResult<()> {
+        let b = bit(replica)?;
+        if self.live & b != 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "replica {replica} is already in the index"
+            )));
+        }
+        self.live |= b;
+        Ok(())
+    }
+
+    /// Drops every block `replica` holds (vLLM's `AllBlocksCleared`, or a restart); returns
+    /// how many. The replica stays registered.
+    pub fn clear_replica(&mut self, replica: usize) -> CoreResult<u64> {
+        let b = self.live_bit(replica)?;
+        let dropped = self.held.get(replica).copied().unwrap_or(0);
+        if dropped > 0 {
+            self.table.retain(|_, holders| {
+                *holders &= !b;
+                *holders != 0
+            });
+        }
+        if let Some(held) = self.held.get_mut(replica) {
+            *held = 0;
+        }
+        self.counts.cleared += dropped;
+        Ok(dropped)
+    }
+
+    /// Unregisters `replica`, dropping its blocks; returns how many it held.
+    pub fn remove_replica(&mut self, replica: usize) -> CoreResult<u64> {
+        let dropped = self.clear_replica(replica)?;
+        self.live &= !(1u64 << replica);
+        Ok(dropped)
+    }
+
+    /// `replica` now holds the blocks of `keys` ([`block_key`]); returns how many it did not
+    /// hold before.
+    pub fn store(&mut self, replica: usize, keys: &[u64]) -> CoreResult<u64> {
+        let b = self.live_bit(replica)?;
+        let mut new = 0;
+        for &key in keys {
+            let holders = self.table.entry(key).or_insert(0);
+            if *holders & b == 0 {
+                *holders |= b;
+                new += 1;
+            }
+        }
+        if let Some(held) = self.held.get_mut(replica) {
+            *held += new;
+        }
+        self.counts.stored += new;
+        self.counts.repeated_stores += keys.len() as u64 - new;
+        Ok(new)
+    }
+
+    /// `replica` no longer holds the blocks of `keys`; returns how many it held.
+    pub fn remove(&mut self, replica: usize, keys: &[u64]) -> CoreResult<u64> {
+        let b = self.live_bit(replica)?;
+        let mut gone = 0;
+        for key in keys {
+            if let Some(holders) = self.table.get_mut(key) {
+                if *holders & b != 0 {
+                    *holders &= !b;
+                    gone += 1;
+                    if *holders == 0 {
+                        self.table.remove(key);
+                    }
+                }
+            }
+        }
+        if let Some(held) = self.held.get_mut(replica) {
+            *held -= gone;
+        }
+        self.counts.removed += gone;
+        self.counts.unknown_removals += keys.len() as u64 - gone;
+        Ok(gone)
+    }
+
+    /// For each replica, how many of the leading blocks of `keys` it holds without a gap
+    /// (`out[r]`; `out` is cleared first and has one entry per possible replica).
+    pub fn prefix_blocks(&self, keys: &[u64], out: &mut [u32; MAX_REPLICAS]) {
+        *out = [0; MAX_REPLICAS];
+        let mut alive = self.live;
+        for (depth, key) in keys.iter().enumerate() {
+            if alive == 0 {
+                return;
+            }
+            let holders = self.table.get(key).copied().unwrap_or(0) & alive;
+            let mut ended = alive & !holders;
+            while ended != 0 {
+                let r = ended.trailing_zeros() as usize;
+                if let Some(slot) = out.get_mut(r) {
+                    *slot = depth as u32;
+                }
+                ended &= ended - 1;
+            }
+            alive = holders;
+        }
+        let depth = keys.len() as u32;
+        while alive != 0 {
+            let r = alive.trailing_zeros() as usize;
+            if let Some(slot) = out.get_mut(r) {
+                *slot = depth;
+            }
+            alive &= alive - 1;
+        }
+    }
+
+    /// Whether `replica` holds the block of `key`.
+    pub fn holds(&self, replica: usize, key: u64) -> bool {
+        bit(replica).is_ok_and(|b| self.table.get(&key).is_some_and(|h| h & b != 0))
+    }
+
+    /// The registered replicas, one bit each.
+    pub fn replicas(&self) -> u64 {
+        self.live
+    }
+
+    /// Blocks `replica` holds (0 for one not registered).
+    pub fn held(&self, replica: usize) -> u64 {
+        self.held.get(replica).copied().unwrap_or(0)
+    }
+
+    /// Distinct keys in the index (a block held by several replicas counts once).
+    pub fn num_keys(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Bytes the table has allocated: its capacity's entries (16 bytes) and control bytes.
+    pub fn table_bytes(&self) -> usize {
+        let buckets = (self.table.capacity() * 8 / 7).next_power_of_two().max(1);
+        buckets * (std::mem::size_of::<(u64, u64)>() + 1)
+    }
+
+    pub fn counts(&self) -> RouterCounts {
+        self.counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(range: std::ops::Range<u64>) -> Vec<u64> {
+        range.map(|i| block_key(&i.to_le_bytes(), 0, 0)).collect()
+    }
+
+    #[test]
+    fn prefix_per_replica_stops_at_the_first_gap() -> CoreResult<()> {
+        let mut index = RouterIndex::new(7);
+        for r in 0..3 {
+            index.add_replica(r)?;
+        }
+        let all = keys(0..10);
+        index.store(0, &all)?;
+        index.store(1, all.get(..4).unwrap_or_default())?;
+        index.store(2, all.get(1..10).unwrap_or_default())?; // no first block: no prefix
+        let mut out = [0; MAX_REPLICAS];
+        index.prefix_blocks(&all, &mut out);
+        assert_eq!(out.get(..3), Some(&[10, 4, 0][..]));
+        index.remove(0, all.get(5..6).unwrap_or_default())?;
+        index.prefix_blocks(&all, &mut out);
+        assert_eq!(out.get(..3), Some(&[5, 4, 0][..]));
+        Ok(())
+    }
+
+    #[test]
+    fn hostile_input_is_counted_and_changes_nothing() -> CoreResult<()> {
+        let mut index = RouterIndex::new(1);
+        index.add_replica(3)?;
+        let k = keys(0..4);
+        assert_eq!(index.remove(3, &k)?, 0);
+        assert_eq!(index.store(3, &k)?, 4);
+        assert_eq!(index.store(3, &k)?, 0);
+        let counts = index.counts();
+        assert_eq!((counts.unknown_removals, counts.repeated_stores, counts.stored), (4, 4, 4));
+        assert!(index.store(4, &k).is_err());
+        assert!(index.add_replica(3).is_err());
+        assert!(index.add_replica(MAX_REPLICAS).is_err());
+        assert_eq!((index.held(3), index.num_keys()), (4, 4));
+        Ok(())
+    }
+
+    #[test]
+    fn clearing_a_replica_leaves_the_others() -> CoreResult<()> {
+        let mut index = RouterIndex::new(2);
+        index.add_replica(0)?;
+        index.add_replica(1)?;
+        let k = keys(0..6);
+        index.store(0, &k)?;
+        index.store(1, k.get(..3).unwrap_or_default())?;
+        assert_eq!(index.clear_replica(0)?, 6);
+        assert_eq!(index.num_keys(), 3);
+        assert_eq!(index.remove_replica(1)?, 3);
+        assert_eq!(index.num_keys(), 0);
+        assert!(index.store(1, &k).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn bytes_and_vllms_int_form_give_one_key() {
+        let hash: Vec<u8> = (0u8..32).collect();
+        let int = u64::from_be_bytes([24, 25, 26, 27, 28, 29, 30, 31]);
+        assert_eq!(block_key(&hash, 2, 1), int_block_key(int, 2, 1));
+    }
+
+    #[test]
+    fn group_and_medium_are_part_of_the_key() {
+        let hash = [5u8; 32];
+        let keys = [block_key(&hash, 0, 0), block_key(&hash, 1, 0), block_key(&hash, 0, 1)];
+        assert_ne!(keys[0], keys[1]);
+        assert_ne!(keys[0], keys[2]);
+        assert_ne!(keys[1], keys[2]);
+    }
+}

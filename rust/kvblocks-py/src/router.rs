@@ -1,0 +1,162 @@
+//! `kvblocks._core.RouterIndex`: the cluster-wide block table of `kvblocks.router`.
+
+use crate::errors::GlueResult;
+use crate::sync::lock_attached;
+use kvblocks_core::{block_key, int_block_key, RouterIndex, MAX_REPLICAS};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList};
+use std::sync::Mutex;
+
+#[pyclass(frozen, module = "kvblocks._core", name = "RouterIndex")]
+pub struct PyRouterIndex {
+    inner: Mutex<RouterIndex>,
+}
+
+/// The index key of one block hash: `bytes` (vLLM's hash) or an int (the form vLLM's KV
+/// events publish by default, its last 8 bytes big-endian).
+fn key_of(item: &Bound<'_, PyAny>, group: u32, medium: u32) -> PyResult<u64> {
+    if let Ok(bytes) = item.cast::<PyBytes>() {
+        return Ok(block_key(bytes.as_bytes(), group, medium));
+    }
+    if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
+        let value: u64 = item.extract().map_err(|_| {
+            PyValueError::new_err(format!("a block hash int must be in [0, 2**64), got {item}"))
+        })?;
+        return Ok(int_block_key(value, group, medium));
+    }
+    Err(PyTypeError::new_err(format!(
+        "a block hash must be bytes or an int, got {}",
+        item.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+    )))
+}
+
+/// The index keys of a sequence of block hashes, in one group and medium.
+fn keys_of(hashes: &Bound<'_, PyAny>, group: u32, medium: u32) -> PyResult<Vec<u64>> {
+    if let Ok(list) = hashes.cast::<PyList>() {
+        return list.iter().map(|item| key_of(&item, group, medium)).collect();
+    }
+    hashes.try_iter()?.map(|item| key_of(&item?, group, medium)).collect()
+}
+
+#[pymethods]
+impl PyRouterIndex {
+    #[new]
+    #[pyo3(signature = (seed = 0))]
+    fn new(seed: u64) -> Self {
+        PyRouterIndex { inner: Mutex::new(RouterIndex::new(seed)) }
+    }
+
+    #[classattr]
+    const MAX_REPLICAS: usize = MAX_REPLICAS;
+
+    fn add_replica(&self, py: Python<'_>, replica: usize) -> GlueResult<()> {
+        Ok(lock_attached(py, &self.inner)?.add_replica(replica)?)
+    }
+
+    fn clear_replica(&self, py: Python<'_>, replica: usize) -> GlueResult<u64> {
+        Ok(lock_attached(py, &self.inner)?.clear_replica(replica)?)
+    }
+
+    fn remove_replica(&self, py: Python<'_>, replica: usize) -> GlueResult<u64> {
+        Ok(lock_attached(py, &self.inner)?.remove_replica(replica)?)
+    }
+
+    fn store(
+        &self,
+        py: Python<'_>,
+        replica: usize,
+        hashes: &Bound<'_, PyAny>,
+        group: u32,
+        medium: u32,
+    ) -> GlueResult<u64> {
+        let keys = keys_of(hashes, group, medium)?;
+        Ok(lock_attached(py, &self.inner)?.store(replica, &keys)?)
+    }
+
+    fn remove(
+        &self,
+        py: Python<'_>,
+        replica: usize,
+        hashes: &Bound<'_, PyAny>,
+        group: u32,
+        medium: u32,
+    ) -> GlueResult<u64> {
+        let keys = keys_of(hashes, group, medium)?;
+        Ok(lock_attached(py, &self.inner)?.remove(replica, &keys)?)
+    }
+
+    /// `{replica: leading blocks of hashes it holds}` for every registered replica.
+    fn prefix_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        hashes: &Bound<'py, PyAny>,
+        group: u32,
+        medium: u32,
+    ) -> GlueResult<Bound<'py, PyDict>> {
+        let keys = keys_of(hashes, group, medium)?;
+        let mut out = [0u32; MAX_REPLICAS];
+        let mut live = {
+            let index = lock_attached(py, &self.inner)?;
+            index.prefix_blocks(&keys, &mut out);
+            index.replicas()
+        };
+        let result = PyDict::new(py);
+        while live != 0 {
+            let r = live.trailing_zeros() as usize;
+            result.set_item(r, out.get(r).copied().unwrap_or(0))?;
+            live &= live - 1;
+        }
+        Ok(result)
+    }
+
+    fn holds(
+        &self,
+        py: Python<'_>,
+        replica: usize,
+        hash: &Bound<'_, PyAny>,
+        group: u32,
+        medium: u32,
+    ) -> GlueResult<bool> {
+        let key = key_of(hash, group, medium)?;
+        Ok(lock_attached(py, &self.inner)?.holds(replica, key))
+    }
+
+    fn held(&self, py: Python<'_>, replica: usize) -> GlueResult<u64> {
+        Ok(lock_attached(py, &self.inner)?.held(replica))
+    }
+
+    #[getter]
+    fn replicas(&self, py: Python<'_>) -> GlueResult<Vec<usize>> {
+        let mut live = lock_attached(py, &self.inner)?.replicas();
+        let mut ids = Vec::new();
+        while live != 0 {
+            ids.push(live.trailing_zeros() as usize);
+            live &= live - 1;
+        }
+        Ok(ids)
+    }
+
+    #[getter]
+    fn num_keys(&self, py: Python<'_>) -> GlueResult<usize> {
+        Ok(lock_attached(py, &self.inner)?.num_keys())
+    }
+
+    #[getter]
+    fn table_bytes(&self, py: Python<'_>) -> GlueResult<usize> {
+        Ok(lock_attached(py, &self.inner)?.table_bytes())
+    }
+
+    /// What the index applied and refused: `stored`, `removed`, `repeated_stores`,
+    /// `unknown_removals`, `cleared`.
+    fn counts<'py>(&self, py: Python<'py>) -> GlueResult<Bound<'py, PyDict>> {
+        let c = lock_attached(py, &self.inner)?.counts();
+        let out = PyDict::new(py);
+        out.set_item("stored", c.stored)?;
+        out.set_item("removed", c.removed)?;
+        out.set_item("repeated_stores", c.repeated_stores)?;
+        out.set_item("unknown_removals", c.unknown_removals)?;
+        out.set_item("cleared", c.cleared)?;
+        Ok(out)
+    }
+}

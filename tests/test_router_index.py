@@ -1,0 +1,124 @@
+"""``kvblocks._core.RouterIndex`` (Rust) against its pure-Python reference
+(``kvblocks.reference.router``): random streams of stores, removals, clears and replica
+changes from many replicas, with repeated stores and removals of blocks never stored, must
+leave the same answers (each replica's prefix of random lookups), the same counts and held
+blocks, and refuse the same bad input. Keys are checked independently too: the bytes of a
+hash and vLLM's int form of it (its last 8 bytes, big-endian) are one block."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvblocks._core import RouterIndex
+from kvblocks.reference import router as reference
+
+HASHES = [hashlib.sha256(str(i).encode()).digest() for i in range(64)]
+
+
+def as_int(block_hash: bytes) -> int:
+    """What vLLM's KV events publish for a hash by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> list[tuple]:
+    ops = []
+    for _ in range(draw(st.integers(1, 60))):
+        replica = draw(st.integers(0, 5))
+        kind = draw(st.sampled_from(["store", "store", "remove", "clear", "add", "drop", "ask"]))
+        picks = draw(st.lists(st.integers(0, len(HASHES) - 1), max_size=12))
+        group, medium = draw(st.integers(0, 2)), draw(st.integers(0, 1))
+        as_ints = draw(st.booleans())
+        ops.append((kind, replica, picks, group, medium, as_ints))
+    return ops
+
+
+def apply(index, op):
+    kind, replica, picks, group, medium, as_ints = op
+    hashes = [as_int(HASHES[i]) if as_ints else HASHES[i] for i in picks]
+    try:
+        if kind == "store":
+            return index.store(replica, hashes, group, medium)
+        if kind == "remove":
+            return index.remove(replica, hashes, group, medium)
+        if kind == "clear":
+            return index.clear_replica(replica)
+        if kind == "add":
+            return index.add_replica(replica)
+        if kind == "drop":
+            return index.remove_replica(replica)
+        return index.prefix_blocks(hashes, group, medium)
+    except ValueError as error:
+        return ("ValueError", str(error).split(" ")[0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams())
+def test_rust_and_reference_agree(ops: list[tuple]) -> None:
+    ours, ref = RouterIndex(seed=123), reference.RouterIndex()
+    for r in (0, 1):
+        ours.add_replica(r)
+        ref.add_replica(r)
+    for op in ops:
+        assert apply(ours, op) == apply(ref, op), op
+        assert ours.counts() == ref.counts()
+        assert ours.num_keys == ref.num_keys
+        assert ours.replicas == ref.replicas
+        assert [ours.held(r) for r in range(6)] == [ref.held(r) for r in range(6)]
+    for h in HASHES[:8]:
+        for r in range(6):
+            assert ours.holds(r, h, 0, 0) == ref.holds(r, h, 0, 0)
+
+
+def test_bytes_and_int_forms_are_one_block() -> None:
+    index = RouterIndex()
+    index.add_replica(0)
+    assert index.store(0, HASHES[:3], 1, 0) == 3
+    assert index.store(0, [as_int(h) for h in HASHES[:3]], 1, 0) == 0  # the same three
+    assert index.prefix_blocks([as_int(h) for h in HASHES[:4]], 1, 0) == {0: 3}
+    assert index.prefix_blocks(HASHES[:3], 0, 0) == {0: 0}  # another group
+    assert index.prefix_blocks(HASHES[:3], 1, 1) == {0: 0}  # another medium
+
+
+def test_bad_input_raises_and_changes_nothing() -> None:
+    index = RouterIndex()
+    index.add_replica(2)
+    index.store(2, HASHES[:2], 0, 0)
+    before = (index.counts(), index.num_keys, index.held(2))
+    with pytest.raises(ValueError, match="no replica 3"):
+        index.store(3, HASHES[:2], 0, 0)
+    with pytest.raises(ValueError, match="replica"):
+        index.add_replica(64)
+    with pytest.raises(ValueError, match="already in the index"):
+        index.add_replica(2)
+    with pytest.raises(TypeError, match="bytes or an int"):
+        index.store(2, [HASHES[5], "x"], 0, 0)  # the bad item refuses the whole call
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*64\)"):
+        index.remove(2, [HASHES[0], -1], 0, 0)
+    with pytest.raises(TypeError):
+        index.store(2, 5, 0, 0)
+    assert (index.counts(), index.num_keys, index.held(2)) == before
+
+
+def test_a_million_blocks_over_dozens_of_replicas() -> None:
+    """Memory per indexed block stays near one 16-byte entry plus the table's control byte
+    and slack, however many replicas hold a block."""
+    index = RouterIndex(seed=9)
+    rng = random.Random(4)
+    for r in range(32):
+        index.add_replica(r)
+    blocks = [rng.getrandbits(64) for _ in range(1_000_000)]
+    for r in range(32):
+        start = rng.randrange(0, 900_000)
+        index.store(r, blocks[start : start + 100_000], 0, 0)
+    held = sum(index.held(r) for r in range(32))
+    assert held == 3_200_000
+    assert 0 < index.num_keys <= 1_000_000
+    # the table: 17 bytes a bucket at most 7/8 full, doubled when it grows
+    assert index.table_bytes / index.num_keys < 17 * 8 / 7 * 2
+    assert index.table_bytes / held < 16
