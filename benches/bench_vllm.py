@@ -39,6 +39,7 @@ An untimed pass (``--benchmark-disable``) runs the layouts other than the one-gr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,58 @@ def test_scheduler_cpu_time(
     print(
         f"\n{case}, {installed}: {timings.steps} steps, scheduler-side CPU time "
         f"{timings.scheduler * 1e3:.0f} ms; " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
+    )
+
+
+def _has_cache_aware_admission() -> bool:
+    from vllm.config import SchedulerConfig
+
+    return "cache_aware_admission_window" in {f.name for f in dataclasses.fields(SchedulerConfig)}
+
+
+@pytest.mark.parametrize("installed", IMPLS, indirect=True)
+def test_cache_aware_admission(benchmark: Any, installed: str) -> None:
+    """vLLM 0.34's cache-aware admission with a window of 64 and threshold 0 over a queue
+    deeper than the window (256 requests, 32 running at most): every step asks the manager
+    how many tokens of each of the 64 waiting requests at the head are cached
+    (``get_num_cached_tokens``) and admits the deepest first."""
+    model_dir: Path = tiny_model_dir()  # (selects vLLM's CPU platform before vLLM's config)
+    if not _has_cache_aware_admission():
+        pytest.skip("vLLM 0.33 has no cache-aware admission (0.34's cache_aware_admission_window)")
+    spec = SchedulerSpec(
+        block_size=16,
+        num_blocks=BLOCKS_PER_GROUP,
+        hash_algo="sha256",
+        max_num_seqs=32,
+        max_num_batched_tokens=8192,
+        scheduler={"cache_aware_admission_window": 64, "cache_aware_admission_threshold": 0.0},
+    )
+    workload = WORKLOADS["shared prefix, 32 output tokens"]
+    if benchmark.disabled:
+        workload = UNTIMED_LAYOUT_WORKLOAD
+    runs: list[Any] = []
+    case = "vLLM scheduler, 256 requests, 32 running at most, cache-aware admission (window 64)"
+    _label(benchmark, case, installed)
+    benchmark.pedantic(lambda: runs.append(timed_run(model_dir, spec, workload)), rounds=3)
+    runs.sort(key=lambda run: run[0].scheduler)
+    timings, snapshots = runs[len(runs) // 2]
+    benchmark.extra_info["seconds"] = timings.scheduler
+    assert all(s == snapshots for _, s in runs)
+    assert_ran_on(installed, *(t.implementation for t, _ in runs))
+    SNAPSHOTS.setdefault(case, snapshots)
+    assert snapshots == SNAPSHOTS[case], "kvblocks changed vLLM's scheduling decisions"
+    parts, _ = timed_run(model_dir, spec, workload, instrument=True)
+    calls, _seconds = parts.manager_calls["get_num_cached_tokens"]
+    assert calls > workload.num_requests  # the window probed every step
+    shares = {"KV-cache manager": parts.manager / parts.scheduler}
+    benchmark.extra_info["shares"] = shares
+    benchmark.extra_info["per_call"] = {
+        method: seconds / n for method, (n, seconds) in parts.manager_calls.items() if n
+    }
+    print(
+        f"\n{case}, {installed}: {timings.steps} steps, scheduler-side CPU time "
+        f"{timings.scheduler * 1e3:.0f} ms; KV-cache manager {shares['KV-cache manager']:.1%}, "
+        f"{calls} get_num_cached_tokens calls"
     )
 
 

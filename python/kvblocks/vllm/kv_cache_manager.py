@@ -336,16 +336,18 @@ class KVCacheManager:
         shared_prefix_boundary = num_tokens + num_uncached if num_uncached else 0
         return hits, num_tokens, shared_prefix_boundary
 
-    def get_num_cached_tokens(self, request: Request) -> int:
+    @functools.cached_property
+    def get_num_cached_tokens(self) -> Callable[[Request], int]:
         """vLLM 0.34's cache-aware admission probe (``cache_aware_admission_window``): how
         many of the request's tokens (all but the last, not bounded by its hit limit) are in
-        the prefix cache, 0 where it looks nothing up. It only counts: no references, no
-        blocks for Python, no events, no statistics. vLLM's scheduler calls it once per
-        waiting request in the window at every step."""
-        if not self.prefix_cache_lookup_enabled(request):
-            return 0
-        num_tokens: int = self._core.num_cached_tokens(request.block_hashes, request.num_tokens - 1)
-        return num_tokens
+        the prefix cache, 0 where vLLM's ``prefix_cache_lookup_enabled`` runs no lookup. It
+        only counts: no references, no blocks for Python, no events, no statistics. vLLM's
+        scheduler calls it once per waiting request in the window at every step, so it is
+        Rust's ``_core.KVCacheManager.probe_request`` itself (the request read in place, no
+        Python frame between), looked up once per manager (this property); a probe resumes
+        the request's previous walk while nothing cached has been removed since."""
+        probe: Callable[[Request], int] = self._core.probe_request
+        return probe
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None

@@ -124,6 +124,9 @@ pub struct BlockPool {
     events: Option<Vec<KvEvent>>,
     /// While `Some`, the blocks whose cache entry was evicted (a batched step's record).
     evicted: Option<Vec<u32>>,
+    /// Keys removed from the cache so far (evictions and resets): while it stays the same,
+    /// every key that was cached still is, so a cached prefix can only grow.
+    removals: u64,
 }
 
 impl BlockPool {
@@ -140,6 +143,7 @@ impl BlockPool {
             enable_caching,
             events: enable_events.then(Vec::new),
             evicted: None,
+            removals: 0,
         })
     }
 
@@ -188,6 +192,12 @@ impl BlockPool {
 
     pub fn cached_blocks(&self) -> &DigestMap<CacheKey, KeyBlocks> {
         &self.cached
+    }
+
+    /// Keys removed from the cache so far (see the field): unchanged means nothing cached was
+    /// lost since.
+    pub fn removals(&self) -> u64 {
+        self.removals
     }
 
     /// The blocks registered under `key`, earliest first.
@@ -246,6 +256,7 @@ impl BlockPool {
         }
         if blocks.is_empty() {
             self.cached.remove(&key);
+            self.removals += 1;
         }
         if let Some(evicted) = &mut self.evicted {
             evicted.push(block);
@@ -342,6 +353,7 @@ impl BlockPool {
             return false;
         }
         self.cached.clear();
+        self.removals += 1;
         self.key.iter_mut().for_each(|k| *k = None);
         self.emit(KvEvent::AllBlocksCleared);
         true

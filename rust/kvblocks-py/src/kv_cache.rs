@@ -501,16 +501,24 @@ impl PyKvCacheManager {
         Ok((self.blocks(py, hit.blocks)?, hit.num_tokens, hit.num_uncached_common))
     }
 
-    /// vLLM 0.34's `get_num_cached_tokens` probe: the length of the cached prefix (at most
-    /// `max_length` tokens) `lookup` finds, without handing its blocks to Python (no
-    /// references taken, no events, nothing changed).
-    #[pyo3(signature = (block_hashes, max_length, /))]
-    fn num_cached_tokens(
-        &self,
-        block_hashes: &Bound<'_, PyAny>,
-        max_length: usize,
-    ) -> GlueResult<usize> {
-        Ok(self.lock()?.lookup(&hashes_arg(block_hashes)?, max_length)?.num_tokens)
+    /// vLLM 0.34's `get_num_cached_tokens(request)`, the request read in place (the probe
+    /// vLLM's cache-aware admission makes for every waiting request in its window at every
+    /// step, so no Python frame stands in between): 0 where vLLM's
+    /// `prefix_cache_lookup_enabled` runs no lookup (the request's `prefix_cache_hit_limit`
+    /// is 0, or caching is off), else [`KvCacheManager::num_cached_tokens`] over all but the
+    /// request's last token.
+    #[pyo3(signature = (request, /))]
+    fn probe_request(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> GlueResult<usize> {
+        let limit = request.getattr(intern!(py, "prefix_cache_hit_limit"))?;
+        if !limit.is_none() && limit.extract::<i64>()? == 0 {
+            return Ok(0);
+        }
+        let request_id = request.getattr(intern!(py, "request_id"))?;
+        let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
+        let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
+        let num_tokens: usize = request.getattr(intern!(py, "num_tokens"))?.extract()?;
+        let hashes = hashes_arg(&block_hashes)?;
+        Ok(self.lock()?.num_cached_tokens(request_id, &hashes, num_tokens.saturating_sub(1))?)
     }
 
     /// vLLM's `find_longest_cache_hit_per_group`: each group's own longest cached prefix

@@ -30,6 +30,7 @@ MANAGER_METHODS = (
     "get_blocks",
     "cache_blocks",
     "estimate_cached_tokens",
+    "get_num_cached_tokens",  # vLLM 0.34's cache-aware admission probe
     "free",
     "take_events",
     "take_new_block_ids",

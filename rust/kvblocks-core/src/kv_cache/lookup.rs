@@ -3,9 +3,9 @@
 //! to `allocate_slots`.
 
 use super::hit::{self, AnyCached, CacheHit, HitFilter};
-use super::{invalid, HashSource, KvCacheCoordinator, RequestBlocks};
+use super::{invalid, AttentionKind, HashSource, KvCacheCoordinator, RequestBlocks};
 use crate::hashing::BlockHash;
-use crate::pool::NULL_BLOCK;
+use crate::pool::{CacheKey, NULL_BLOCK};
 use crate::CoreResult;
 
 /// vLLM passes the shared empty result when there is nothing to adopt, and adopts a result
@@ -31,6 +31,33 @@ impl KvCacheCoordinator {
         let block_size = self.config.block_size();
         let search = hit::Search { pool: &self.pool, hashes: &prefix, block_size, filter };
         Ok(hit::find_longest_cache_hit(&search, &self.sets, self.num_groups(), max_length))
+    }
+
+    /// The cached prefix of `hashes` in blocks, walked from block `from` on (the blocks
+    /// before it are known to be cached), at most `max_length` tokens: what
+    /// [`Self::find_longest_cache_hit`] finds, where it is a plain longest prefix (one
+    /// full-attention group, no EAGLE drop, caching on). `None` for any other layout.
+    pub fn cached_prefix_from(
+        &self,
+        hashes: &(impl HashSource + ?Sized),
+        from: usize,
+        max_length: usize,
+    ) -> CoreResult<Option<usize>> {
+        let plain = self.config.enable_caching
+            && self.num_groups() == 1
+            && matches!(self.sets.as_slice(), [only] if only.kind == AttentionKind::Full && !only.drop_eagle);
+        if !plain {
+            return Ok(None);
+        }
+        let limit = hashes.len().min(max_length / self.config.block_size());
+        let mut blocks = from.min(limit);
+        while blocks < limit {
+            if self.pool.lookup(&CacheKey::new(hashes.get(blocks)?, 0)).is_empty() {
+                break;
+            }
+            blocks += 1;
+        }
+        Ok(Some(blocks))
     }
 
     /// vLLM's `find_longest_cache_hit_per_group` (the lookup for a KV connector that accepts

@@ -40,7 +40,14 @@ pub struct KvCacheManager {
     /// Mamba states registered since the last [`Self::take_boundary_states`], with the
     /// request that registered each, in call order.
     boundary_states: Vec<(String, BoundaryState)>,
+    /// [`Self::num_cached_tokens`]'s last answer per request: the pool's removal count then,
+    /// and the cached prefix in blocks.
+    probes: IdMap<(u64, usize)>,
 }
+
+/// Probes remembered at most (the requests a scheduler's admission window probes are far
+/// fewer; past it the memory is dropped and refilled).
+const MAX_PROBES: usize = 1 << 16;
 
 impl KvCacheManager {
     pub fn new(config: CoordinatorConfig) -> CoreResult<Self> {
@@ -49,6 +56,7 @@ impl KvCacheManager {
             requests: IdMap::default(),
             events: Vec::new(),
             boundary_states: Vec::new(),
+            probes: IdMap::default(),
         })
     }
 
@@ -76,6 +84,35 @@ impl KvCacheManager {
         max_length: usize,
     ) -> CoreResult<CacheHit> {
         self.coordinator.find_longest_cache_hit(hashes, max_length, &AnyCached)
+    }
+
+    /// vLLM 0.34's `get_num_cached_tokens` probe for request `request_id`: the tokens of its
+    /// cached prefix, at most `max_length`, as [`Self::lookup`] finds them. A scheduler probes
+    /// each waiting request in its admission window at every step; where the hit is a plain
+    /// longest prefix, a probe resumes from the request's previous answer while nothing
+    /// cached has been removed since (a cached prefix only grows then), so a probe costs a
+    /// lookup or two instead of one per block.
+    pub fn num_cached_tokens(
+        &mut self,
+        request_id: &str,
+        hashes: &(impl HashSource + ?Sized),
+        max_length: usize,
+    ) -> CoreResult<usize> {
+        let removals = self.coordinator.pool().removals();
+        let from = match self.probes.get(request_id) {
+            Some(&(seen, blocks)) if seen == removals => blocks,
+            _ => 0,
+        };
+        match self.coordinator.cached_prefix_from(hashes, from, max_length)? {
+            Some(blocks) => {
+                if self.probes.len() >= MAX_PROBES && !self.probes.contains_key(request_id) {
+                    self.probes.clear();
+                }
+                self.probes.insert(request_id.to_owned(), (removals, blocks));
+                Ok(blocks * self.coordinator.config().block_size())
+            }
+            None => Ok(self.lookup(hashes, max_length)?.num_tokens),
+        }
     }
 
     /// vLLM's per-group search (see [`KvCacheCoordinator::find_cache_hit_per_group`]).
@@ -148,6 +185,7 @@ impl KvCacheManager {
     /// vLLM's `free`: releases the request's blocks, last block first. Unknown ids are a
     /// no-op, as in vLLM (the scheduler frees requests that never got blocks).
     pub fn free(&mut self, request_id: &str) {
+        self.probes.remove(request_id);
         if let Some(held) = self.requests.remove(request_id) {
             self.coordinator.free(held);
         }

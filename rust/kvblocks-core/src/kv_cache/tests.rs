@@ -797,3 +797,77 @@ fn the_invariant_names_a_short_table_and_a_block_no_request_holds() {
     };
     assert_eq!(what, "the allocation took 8 free blocks after counting 5");
 }
+
+/// vLLM 0.34's cache-aware admission probe (`num_cached_tokens`, which resumes a request's
+/// previous walk while nothing cached was removed) answers what a full lookup answers, through
+/// admissions, frees, evictions and resets, on one full-attention group and on a layout where
+/// it does not resume.
+#[test]
+fn admission_probes_answer_as_lookups() {
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    for groups in [vec![full(4)], vec![full(4), window(4, 8)]] {
+        let mut m = manager(40, groups);
+        // waiting requests: chains sharing prefixes of three roots
+        let waiting: Vec<(String, Vec<BlockHash>, usize)> = (0..12u8)
+            .map(|i| {
+                let root = (i % 3) * 60;
+                let shared = next(8) as u8;
+                let mut chain: Vec<BlockHash> = (0..shared).map(|b| h(root + b + 1)).collect();
+                chain.extend((0..4).map(|b| h(200 + i * 4 + b)));
+                let tokens = chain.len() * 4 + next(4) as usize + 1;
+                (format!("w{i}"), chain, tokens)
+            })
+            .collect();
+        let mut running: Vec<String> = Vec::new();
+        let mut hits = 0;
+        for step in 0..200 {
+            for (id, chain, tokens) in &waiting {
+                let probe = m.num_cached_tokens(id, &chain[..], tokens - 1).unwrap();
+                let lookup = m.lookup(&chain[..], tokens - 1).unwrap().num_tokens;
+                assert_eq!(probe, lookup, "step {step}, {id}");
+                hits += usize::from(probe > 0);
+            }
+            match next(5) {
+                0 | 1 => {
+                    // a new request caches a chain sharing a root's prefix
+                    let root = next(3) as u8 * 60;
+                    let len = next(10) as u8 + 1;
+                    let chain: Vec<BlockHash> = (0..len).map(|b| h(root + b + 1)).collect();
+                    let id = format!("r{step}");
+                    let tokens = chain.len() * 4 + 1;
+                    let hit = m.lookup(&chain[..], tokens - 1).unwrap();
+                    let args = AllocateArgs {
+                        num_new_tokens: tokens - hit.num_tokens,
+                        num_new_computed_tokens: hit.num_tokens,
+                        full_sequence_must_fit: true,
+                        ..AllocateArgs::default()
+                    };
+                    let hits: Vec<&[u32]> = hit.blocks.iter().map(Vec::as_slice).collect();
+                    if m.allocate_slots(&id, &state(tokens), &args, &hits, &chain[..])
+                        .unwrap()
+                        .is_some()
+                    {
+                        running.push(id);
+                    }
+                }
+                2 | 3 if !running.is_empty() => {
+                    let id = running.remove(next(running.len() as u64) as usize);
+                    m.free(&id);
+                }
+                _ if running.is_empty() && next(4) == 0 => {
+                    assert!(m.reset_prefix_cache());
+                }
+                _ => {}
+            }
+        }
+        // Not vacuous: probes found hits, and cached blocks were evicted or reset meanwhile.
+        assert!(hits > 100, "{hits}");
+        assert!(m.pool().removals() > 5);
+    }
+}
