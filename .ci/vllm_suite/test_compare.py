@@ -145,7 +145,8 @@ def records(*, schedulers: int = 0, hashed: int = 0) -> list[dict[str, int]]:
         ("0.33.0", 3, 5, True),
         ("0.33.0", 0, 5, False),  # kvblocks' manager fell back everywhere
         ("0.33.0", 3, 0, False),  # kvblocks' hasher fell back everywhere
-        ("0.34.0", 0, 5, True),  # only the hasher is ported to 0.34
+        ("0.34.0", 3, 5, True),  # both parts are ported to 0.34
+        ("0.34.0", 0, 5, False),  # kvblocks' manager fell back everywhere
         ("0.34.0", 0, 0, False),
     ],
 )
