@@ -39,7 +39,6 @@ An untimed pass (``--benchmark-disable``) runs the layouts other than the one-gr
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +65,7 @@ from tests.vllm_driver import (
     timed_run,
     tiny_model_dir,
 )
+from tests.vllm_driver.config import scheduler_config_has
 
 IMPLS = ["vllm", "kvblocks"]
 #: The decode-step case's third variant: :func:`allocate_slots_floor` on stock vLLM's scheduler.
@@ -294,12 +294,6 @@ def test_scheduler_cpu_time(
     )
 
 
-def _has_cache_aware_admission() -> bool:
-    from vllm.config import SchedulerConfig
-
-    return "cache_aware_admission_window" in {f.name for f in dataclasses.fields(SchedulerConfig)}
-
-
 @pytest.mark.parametrize("installed", IMPLS, indirect=True)
 def test_cache_aware_admission(benchmark: Any, installed: str) -> None:
     """vLLM 0.34's cache-aware admission with a window of 64 and threshold 0 over a queue
@@ -307,7 +301,7 @@ def test_cache_aware_admission(benchmark: Any, installed: str) -> None:
     how many tokens of each of the 64 waiting requests at the head are cached
     (``get_num_cached_tokens``) and admits the deepest first."""
     model_dir: Path = tiny_model_dir()  # (selects vLLM's CPU platform before vLLM's config)
-    if not _has_cache_aware_admission():
+    if not scheduler_config_has("cache_aware_admission_window"):
         pytest.skip("vLLM 0.33 has no cache-aware admission (0.34's cache_aware_admission_window)")
     spec = SchedulerSpec(
         block_size=16,

@@ -65,13 +65,26 @@ class ReplicaLayout:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
 
 
-class _Replica:
-    __slots__ = ("exact", "hash_block_size", "hasher", "id", "kinds", "name")
+def _config_key(config: Any) -> tuple[Any, ...]:
+    """What makes two engines hash a prompt alike (``PrefixHashConfig``'s fields)."""
+    return (
+        config.hash_algo,
+        config.hash_block_size,
+        config.none_hash,
+        config.num_lookahead_tokens,
+    )
 
-    def __init__(self, name: str, rid: int, config: Any, layout: ReplicaLayout) -> None:
+
+class _Replica:
+    __slots__ = ("config", "exact", "hash_block_size", "hasher", "id", "kinds", "name")
+
+    def __init__(
+        self, name: str, rid: int, config: Any, layout: ReplicaLayout, hasher: PromptBlockHasher
+    ) -> None:
         self.name = name
         self.id = rid
-        self.hasher = PromptBlockHasher(config)
+        self.config = _config_key(config)
+        self.hasher = hasher  # shared by the replicas whose engines hash alike
         self.hash_block_size: int = config.hash_block_size
         self.kinds = layout.kinds
         block_size = layout.block_size or self.hash_block_size
@@ -107,7 +120,16 @@ class RoutingIndex:
         free = next((i for i in range(RouterIndex.MAX_REPLICAS) if i not in used), None)
         if free is None:
             raise ValueError(f"the index holds at most {RouterIndex.MAX_REPLICAS} replicas")
-        replica = _Replica(name, free, prefix_hash_config, layout or ReplicaLayout())
+        shared = next(
+            (
+                r.hasher
+                for r in self._replicas.values()
+                if r.config == _config_key(prefix_hash_config)
+            ),
+            None,
+        )
+        hasher = shared or PromptBlockHasher(prefix_hash_config)
+        replica = _Replica(name, free, prefix_hash_config, layout or ReplicaLayout(), hasher)
         self._core.add_replica(free)
         self._replicas[name] = replica
 
@@ -209,12 +231,15 @@ class RoutingIndex:
         num_tokens = len(prompt_token_ids)
         medium_id = self._media.get(medium)
         scores: dict[str, int | None] = {}
-        hashes_by_config: dict[int, list[bytes] | None] = {}
+        # Once per hash configuration: the prompt's hashes; once per (configuration, group):
+        # every replica's prefix (one walk of the index answers for all of them).
+        hashes_by_config: dict[tuple[Any, ...], list[bytes] | None] = {}
+        prefixes: dict[tuple[tuple[Any, ...], int], dict[int, int]] = {}
         for name, replica in self._replicas.items():
             if not replica.exact:
                 scores[name] = None
                 continue
-            key = id(replica.hasher)
+            key = replica.config
             if key not in hashes_by_config:
                 hashes_by_config[key] = replica.hasher.block_hashes(
                     prompt_token_ids,
@@ -229,13 +254,15 @@ class RoutingIndex:
             if medium_id is None:
                 scores[name] = 0
                 continue
-            # vLLM looks up at most num_tokens - 1 tokens: the last one is always computed.
-            usable = hashes[: max(num_tokens - 1, 0) // replica.hash_block_size]
-            blocks = min(
-                self._core.prefix_blocks(usable, group, medium_id)[replica.id]
-                for group in range(len(replica.kinds))
-            )
-            scores[name] = blocks * replica.hash_block_size
+            blocks = None
+            for group in range(len(replica.kinds)):
+                if (key, group) not in prefixes:
+                    # vLLM looks up at most num_tokens - 1 tokens: the last is always computed.
+                    usable = hashes[: max(num_tokens - 1, 0) // replica.hash_block_size]
+                    prefixes[key, group] = self._core.prefix_blocks(usable, group, medium_id)
+                found = prefixes[key, group][replica.id]
+                blocks = found if blocks is None else min(blocks, found)
+            scores[name] = (blocks or 0) * replica.hash_block_size
         return scores
 
     def best(self, prompt_token_ids: Sequence[int] | Any, **request: Any) -> str | None:

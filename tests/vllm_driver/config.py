@@ -69,6 +69,17 @@ def scheduler_only_cpu_platform() -> Iterator[None]:
         CpuPlatform.check_and_update_config = check
 
 
+def scheduler_config_has(field: str) -> bool:
+    """Whether the installed vLLM's ``SchedulerConfig`` has ``field`` (a scheduler feature of
+    some releases only: 0.34's ``cache_aware_admission_window``, ``max_num_inflight_kv_loads``).
+    Imports vLLM's config: call it after the driver selected the CPU platform."""
+    import dataclasses
+
+    from vllm.config import SchedulerConfig
+
+    return field in {f.name for f in dataclasses.fields(SchedulerConfig)}
+
+
 class DriverModel(FakeModel):
     """The fake model with the driver's fake worker sides of vLLM's KV connectors."""
 

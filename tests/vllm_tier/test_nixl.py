@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm.config import SchedulerConfig
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 
 import kvblocks.vllm
 from kvblocks.vllm.kv_cache_manager import KVCacheManager
 from tests.vllm_driver import SchedulerSpec, Speculation, make_scheduler, nixl
+from tests.vllm_driver.config import scheduler_config_has
 from tests.vllm_tier.harness import (
     CONNECTOR_LAYOUTS,
     RequestSpec,
@@ -333,9 +333,7 @@ def test_nixl_with_cpu_offloading(
     assert any(record[4] for record in stock[:-1]), "the prefix cache was reset"
 
 
-HAS_KV_LOAD_PARKING = "max_num_inflight_kv_loads" in {
-    f.name for f in dataclasses.fields(SchedulerConfig)
-}
+HAS_KV_LOAD_PARKING = scheduler_config_has("max_num_inflight_kv_loads")
 
 
 @pytest.mark.skipif(

@@ -11,7 +11,6 @@ request's block table, and any exception raised (an exception ends a run and is 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm.config import SchedulerConfig
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -28,6 +26,7 @@ from vllm.v1.request import Request, RequestStatus
 from kvblocks.vllm import _state
 from kvblocks.vllm.block_hasher import ALGORITHMS
 from tests.vllm_driver import SchedulerSpec, make_request, sampled_token
+from tests.vllm_driver.config import scheduler_config_has
 from tests.vllm_tier.harness import assert_same, events_spec, on_each_manager
 from tests.vllm_tier.simulation import run
 
@@ -371,9 +370,7 @@ def test_prompt_logprobs_from_a_start_hit_up_to_it(model_dir: Path) -> None:
     assert hits["free"] == 64
 
 
-HAS_CACHE_AWARE_ADMISSION = "cache_aware_admission_window" in {
-    f.name for f in dataclasses.fields(SchedulerConfig)
-}
+HAS_CACHE_AWARE_ADMISSION = scheduler_config_has("cache_aware_admission_window")
 
 
 @pytest.mark.skipif(
