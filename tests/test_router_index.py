@@ -29,7 +29,8 @@ def as_int(block_hash: bytes) -> int:
 def streams(draw: st.DrawFn) -> list[tuple]:
     ops = []
     for _ in range(draw(st.integers(1, 60))):
-        replica = draw(st.integers(0, 5))
+        # replicas 30 to 33 cross the index's switch to 8-byte replica sets
+        replica = draw(st.sampled_from([0, 1, 2, 3, 30, 31, 32, 33, 63]))
         kind = draw(st.sampled_from(["store", "store", "remove", "clear", "add", "drop", "ask"]))
         picks = draw(st.lists(st.integers(0, len(HASHES) - 1), max_size=12))
         group, medium = draw(st.integers(0, 2)), draw(st.integers(0, 1))
@@ -69,9 +70,9 @@ def test_rust_and_reference_agree(ops: list[tuple]) -> None:
         assert ours.counts() == ref.counts()
         assert ours.num_keys == ref.num_keys
         assert ours.replicas == ref.replicas
-        assert [ours.held(r) for r in range(6)] == [ref.held(r) for r in range(6)]
+        assert [ours.held(r) for r in range(64)] == [ref.held(r) for r in range(64)]
     for h in HASHES[:8]:
-        for r in range(6):
+        for r in range(64):
             assert ours.holds(r, h, 0, 0) == ref.holds(r, h, 0, 0)
 
 
@@ -106,19 +107,38 @@ def test_bad_input_raises_and_changes_nothing() -> None:
 
 
 def test_a_million_blocks_over_dozens_of_replicas() -> None:
-    """Memory per indexed block stays near one 16-byte entry plus the table's control byte
-    and slack, however many replicas hold a block."""
-    index = RouterIndex(seed=9)
+    """Memory per indexed block: one 12-byte slot per key (no control byte) in a table at
+    most 7/8 full that grows by half, however many replicas hold a block; 16-byte slots
+    once a replica id reaches 32; and a table reserved for its keys holds them without
+    growing."""
     rng = random.Random(4)
+    blocks = [rng.getrandbits(64) for _ in range(1_000_000)]
+    starts = [rng.randrange(0, 900_000) for _ in range(33)]
+    index = RouterIndex(seed=9)
     for r in range(32):
         index.add_replica(r)
-    blocks = [rng.getrandbits(64) for _ in range(1_000_000)]
-    for r in range(32):
-        start = rng.randrange(0, 900_000)
-        index.store(r, blocks[start : start + 100_000], 0, 0)
+        index.store(r, blocks[starts[r] : starts[r] + 100_000], 0, 0)
     held = sum(index.held(r) for r in range(32))
     assert held == 3_200_000
     assert 0 < index.num_keys <= 1_000_000
-    # the table: 17 bytes a bucket at most 7/8 full, doubled when it grows
-    assert index.table_bytes / index.num_keys < 17 * 8 / 7 * 2
-    assert index.table_bytes / held < 16
+    grown = index.table_bytes
+    assert 12 * 8 / 7 <= grown / index.num_keys < 12 * 8 / 7 * 1.5
+    assert grown / held < 16
+    # replica 40: every slot's replica set widens to 8 bytes
+    index.add_replica(40)
+    index.store(40, blocks[:1], 0, 0)
+    assert index.table_bytes == grown // 12 * 16
+    assert index.prefix_blocks(blocks[:1], 0, 0)[40] == 1
+    # reserved up front: sized to the keys, never grown
+    reserved = RouterIndex(seed=9)
+    reserved.reserve(1_000_000)
+    before = reserved.table_bytes
+    assert before / 1_000_000 < 12 * 8 / 7 + 0.01
+    for r in range(32):
+        reserved.add_replica(r)
+        reserved.store(r, blocks[starts[r] : starts[r] + 100_000], 0, 0)
+    assert reserved.table_bytes == before
+    sample = blocks[starts[5] : starts[5] + 50]
+    assert reserved.prefix_blocks(sample, 0, 0) == {
+        r: v for r, v in index.prefix_blocks(sample, 0, 0).items() if r < 32
+    }

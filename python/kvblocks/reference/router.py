@@ -150,5 +150,10 @@ class RouterIndex:
     def num_keys(self) -> int:
         return len(self._table)
 
+    def reserve(self, keys: int) -> None:
+        """A dict sizes itself: only the argument is checked, as the native index checks it."""
+        if not isinstance(keys, int) or isinstance(keys, bool) or keys < 0:
+            raise TypeError(f"keys must be a non-negative int, got {keys!r}")
+
     def counts(self) -> dict[str, int]:
         return dict(self._counts)

@@ -17,6 +17,7 @@ pub mod kv_cache;
 pub mod pool;
 mod requests;
 pub mod router;
+mod router_table;
 mod sequence;
 mod stats;
 

@@ -7,18 +7,17 @@
 //!
 //! A key is the last 8 bytes of vLLM's block hash (a sha256 or xxhash digest, uniformly
 //! distributed; what vLLM publishes by default as an int) mixed with the group and the
-//! medium: 8 bytes, and a replica set of one bit per
-//! replica (up to [`MAX_REPLICAS`]), so an indexed block costs one 16-byte entry however many
-//! replicas hold it. Two different blocks share a key with probability 2^-64 per pair (for ten
+//! medium: 8 bytes, and a replica set of one bit per replica (up to [`MAX_REPLICAS`]): 4 bytes
+//! while every replica id is below 32, 8 after. An indexed block costs one 12-byte slot (16
+//! with a replica id of 32 or more) however many replicas hold it, in a table at most 7/8
+//! full ([`crate::router_table`]). Two different blocks share a key with probability 2^-64 per pair (for ten
 //! million blocks, about 3 in a million that any pair does): the index is exact up to that.
 //!
 //! Nothing here trusts a publisher: a removal of a block the replica never stored is counted
 //! and dropped, a repeated store is counted and changes nothing, and every call either
 //! applies in full or refuses (an unknown replica) without changing the index.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, Hasher};
-
+use crate::router_table::{mix, HolderTable};
 use crate::{CoreError, CoreResult};
 
 /// The most replicas one index tracks (one bit each).
@@ -40,45 +39,6 @@ pub fn int_block_key(value: u64, group: u32, medium: u32) -> u64 {
     value ^ mix(tag)
 }
 
-/// splitmix64's finalizer: a bijection that spreads every input bit over the output.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-/// Hashes a key for the table with a seed drawn per index, so that no publisher can choose
-/// hashes that pile into one bucket.
-#[derive(Clone, Copy)]
-struct SeededKeys(u64);
-
-struct KeyHasher {
-    seed: u64,
-    value: u64,
-}
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        mix(self.value ^ self.seed)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.value = self.value.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, value: u64) {
-        self.value = value;
-    }
-}
-
-impl BuildHasher for SeededKeys {
-    type Hasher = KeyHasher;
-    fn build_hasher(&self) -> KeyHasher {
-        KeyHasher { seed: self.0, value: 0 }
-    }
-}
-
 /// What the index has applied and refused, for monitoring a fleet's event streams.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RouterCounts {
@@ -96,7 +56,7 @@ pub struct RouterCounts {
 
 /// The cluster-wide block table. See the module's documentation.
 pub struct RouterIndex {
-    table: HashMap<u64, u64, SeededKeys>,
+    table: HolderTable,
     /// One bit per registered replica.
     live: u64,
     /// Blocks each replica holds.
@@ -120,7 +80,7 @@ impl RouterIndex {
     /// publishers from predicting bucket placement).
     pub fn new(seed: u64) -> Self {
         RouterIndex {
-            table: HashMap::with_hasher(SeededKeys(mix(seed))),
+            table: HolderTable::new(mix(seed)),
             live: 0,
             held: [0; MAX_REPLICAS],
             counts: RouterCounts::default(),
@@ -153,10 +113,7 @@ impl RouterIndex {
         let b = self.live_bit(replica)?;
         let dropped = self.held.get(replica).copied().unwrap_or(0);
         if dropped > 0 {
-            self.table.retain(|_, holders| {
-                *holders &= !b;
-                *holders != 0
-            });
+            self.table.remove_bit_everywhere(b);
         }
         if let Some(held) = self.held.get_mut(replica) {
             *held = 0;
@@ -178,11 +135,7 @@ impl RouterIndex {
         let b = self.live_bit(replica)?;
         let mut new = 0;
         for &key in keys {
-            let holders = self.table.entry(key).or_insert(0);
-            if *holders & b == 0 {
-                *holders |= b;
-                new += 1;
-            }
+            new += u64::from(self.table.insert_bit(key, b));
         }
         if let Some(held) = self.held.get_mut(replica) {
             *held += new;
@@ -196,16 +149,8 @@ impl RouterIndex {
     pub fn remove(&mut self, replica: usize, keys: &[u64]) -> CoreResult<u64> {
         let b = self.live_bit(replica)?;
         let mut gone = 0;
-        for key in keys {
-            if let Some(holders) = self.table.get_mut(key) {
-                if *holders & b != 0 {
-                    *holders &= !b;
-                    gone += 1;
-                    if *holders == 0 {
-                        self.table.remove(key);
-                    }
-                }
-            }
+        for &key in keys {
+            gone += u64::from(self.table.remove_bit(key, b));
         }
         if let Some(held) = self.held.get_mut(replica) {
             *held -= gone;
@@ -224,7 +169,7 @@ impl RouterIndex {
             if alive == 0 {
                 return;
             }
-            let holders = self.table.get(key).copied().unwrap_or(0) & alive;
+            let holders = self.table.get(*key) & alive;
             let mut ended = alive & !holders;
             while ended != 0 {
                 let r = ended.trailing_zeros() as usize;
@@ -247,7 +192,7 @@ impl RouterIndex {
 
     /// Whether `replica` holds the block of `key`.
     pub fn holds(&self, replica: usize, key: u64) -> bool {
-        bit(replica).is_ok_and(|b| self.table.get(&key).is_some_and(|h| h & b != 0))
+        bit(replica).is_ok_and(|b| self.table.get(key) & b != 0)
     }
 
     /// The registered replicas, one bit each.
@@ -265,10 +210,16 @@ impl RouterIndex {
         self.table.len()
     }
 
-    /// Bytes the table has allocated: its capacity's entries (16 bytes) and control bytes.
+    /// Bytes the table has allocated (12 or 16 a slot, at most 7/8 of its slots used).
     pub fn table_bytes(&self) -> usize {
-        let buckets = (self.table.capacity() * 8 / 7).next_power_of_two().max(1);
-        buckets * (std::mem::size_of::<(u64, u64)>() + 1)
+        self.table.bytes()
+    }
+
+    /// Makes room for `keys` distinct keys in all, so that the table does not grow (and
+    /// briefly hold twice its size) until it holds more: a router sized for its fleet's
+    /// pools reserves their total.
+    pub fn reserve(&mut self, keys: usize) {
+        self.table.reserve(keys);
     }
 
     pub fn counts(&self) -> RouterCounts {

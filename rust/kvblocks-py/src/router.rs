@@ -2,6 +2,7 @@
 
 use crate::errors::GlueResult;
 use crate::sync::lock_attached;
+use crate::tokens::exact_ints;
 use kvblocks_core::{block_key, int_block_key, RouterIndex, MAX_REPLICAS};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -31,9 +32,28 @@ fn key_of(item: &Bound<'_, PyAny>, group: u32, medium: u32) -> PyResult<u64> {
     )))
 }
 
+/// A block hash from a live exact int (for [`exact_ints`]): in `[0, 2**64)`, else `None`.
+fn hash_of_exact_int(item: *mut pyo3::ffi::PyObject) -> Option<u64> {
+    // SAFETY: `item` is a live exact int. Out of range, the call raises OverflowError and
+    // returns u64::MAX: the error is cleared (the checked path reports the item).
+    let value = unsafe { pyo3::ffi::PyLong_AsUnsignedLongLong(item) };
+    // SAFETY: reading and clearing the error indicator with the GIL held.
+    if value == u64::MAX && unsafe { !pyo3::ffi::PyErr_Occurred().is_null() } {
+        // SAFETY: as above.
+        unsafe { pyo3::ffi::PyErr_Clear() };
+        return None;
+    }
+    Some(value)
+}
+
 /// The index keys of a sequence of block hashes, in one group and medium.
 fn keys_of(hashes: &Bound<'_, PyAny>, group: u32, medium: u32) -> PyResult<Vec<u64>> {
     if let Ok(list) = hashes.cast::<PyList>() {
+        // vLLM's KV events publish ints by default: a list of them is read in one pass.
+        let values = exact_ints(list, pyo3::ffi::PyList_GetItem, 0, hash_of_exact_int);
+        if let Some(values) = values {
+            return Ok(values.into_iter().map(|v| int_block_key(v, group, medium)).collect());
+        }
         return list.iter().map(|item| key_of(&item, group, medium)).collect();
     }
     hashes.try_iter()?.map(|item| key_of(&item?, group, medium)).collect()
@@ -140,6 +160,12 @@ impl PyRouterIndex {
     #[getter]
     fn num_keys(&self, py: Python<'_>) -> GlueResult<usize> {
         Ok(lock_attached(py, &self.inner)?.num_keys())
+    }
+
+    /// Makes room for `keys` distinct keys, so that the table does not grow until it holds more.
+    fn reserve(&self, py: Python<'_>, keys: usize) -> GlueResult<()> {
+        lock_attached(py, &self.inner)?.reserve(keys);
+        Ok(())
     }
 
     #[getter]

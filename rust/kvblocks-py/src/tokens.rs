@@ -55,15 +55,22 @@ fn exact_int(item: &Bound<'_, PyAny>) -> Option<i64> {
     (overflow == 0).then_some(value)
 }
 
-type GetItem = unsafe extern "C" fn(
+pub(crate) type GetItem = unsafe extern "C" fn(
     *mut pyo3::ffi::PyObject,
     pyo3::ffi::Py_ssize_t,
 ) -> *mut pyo3::ffi::PyObject;
 
-/// The fast path for the common argument, a list or tuple of in-range `int`s: one pass of
-/// borrowed reads, no reference counting (twice as fast as pyo3's checked iterator). `None`
-/// sends any other content to the checked path, which reports the first bad element.
-fn exact_ints<T>(seq: &Bound<'_, T>, get_item: GetItem, start: usize) -> Option<Vec<u32>> {
+/// The fast path for the common argument, a list or tuple of exact `int`s: one pass of
+/// borrowed reads, no reference counting (twice as fast as pyo3's checked iterator), each item
+/// read by `read` (given a live exact int; `None` for a value it does not take, with no Python
+/// error left set). `None` sends any other content to the caller's checked path, which reports
+/// the first bad element.
+pub(crate) fn exact_ints<T, U>(
+    seq: &Bound<'_, T>,
+    get_item: GetItem,
+    start: usize,
+    read: impl Fn(*mut pyo3::ffi::PyObject) -> Option<U>,
+) -> Option<Vec<U>> {
     if cfg!(Py_GIL_DISABLED) {
         return None; // borrowed reads are not safe against other threads there
     }
@@ -83,12 +90,17 @@ fn exact_ints<T>(seq: &Bound<'_, T>, get_item: GetItem, start: usize) -> Option<
         if unsafe { pyo3::ffi::PyLong_CheckExact(item) } == 0 {
             return None;
         }
-        let mut overflow: std::ffi::c_int = 0;
-        // SAFETY: `item` is an exact int; overflow is reported through `overflow`.
-        let value = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow) };
-        out.push(u32::try_from(value).ok().filter(|_| overflow == 0)?);
+        out.push(read(item)?);
     }
     Some(out)
+}
+
+/// A token id from a live exact int (for [`exact_ints`]): in `[0, 2**32)`, else `None`.
+fn token_of_exact_int(item: *mut pyo3::ffi::PyObject) -> Option<u32> {
+    let mut overflow: std::ffi::c_int = 0;
+    // SAFETY: `item` is a live exact int; overflow is reported through `overflow`.
+    let value = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow) };
+    u32::try_from(value).ok().filter(|_| overflow == 0)
 }
 
 fn token_from_item(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
@@ -210,7 +222,7 @@ fn from_sequence<'py, T>(
     items: impl Iterator<Item = Bound<'py, PyAny>>,
     start: usize,
 ) -> PyResult<TokenIds<'py>> {
-    if let Some(values) = exact_ints(seq, get_item, start) {
+    if let Some(values) = exact_ints(seq, get_item, start, token_of_exact_int) {
         return Ok(TokenIds::Owned(values));
     }
     from_iter(items.skip(start).map(Ok), len - start, start)
