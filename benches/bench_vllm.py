@@ -325,7 +325,14 @@ def test_cache_aware_admission(benchmark: Any, installed: str) -> None:
     assert_ran_on(installed, *(t.implementation for t, _ in runs))
     SNAPSHOTS.setdefault(case, snapshots)
     assert snapshots == SNAPSHOTS[case], "kvblocks changed vLLM's scheduling decisions"
-    parts, _ = timed_run(model_dir, spec, workload, instrument=True)
+    # The manager's share from the instrumented run in the middle of three (one run's share
+    # moves by a point or more on this shared machine).
+    instrumented = [
+        timed_run(model_dir, spec, workload, instrument=True)[0]
+        for _ in range(1 if benchmark.disabled else 3)
+    ]
+    instrumented.sort(key=lambda run: run.manager / run.scheduler)
+    parts = instrumented[len(instrumented) // 2]
     calls, _seconds = parts.manager_calls["get_num_cached_tokens"]
     assert calls > workload.num_requests  # the window probed every step
     shares = {"KV-cache manager": parts.manager / parts.scheduler}

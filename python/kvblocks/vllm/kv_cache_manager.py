@@ -324,7 +324,10 @@ class KVCacheManager:
         limit = self._lookup_length(request, max_cache_hit_length)
         if limit is None:
             return self.empty_kv_cache_blocks, 0, 0
-        hits, num_tokens, num_uncached = self._core.lookup(request.block_hashes, limit)
+        # With the request's id: a request cache-aware admission just probed resumes that walk.
+        hits, num_tokens, num_uncached = self._core.lookup(
+            request.block_hashes, limit, request.request_id
+        )
         if (
             num_tokens
             and self.enable_kv_cache_events

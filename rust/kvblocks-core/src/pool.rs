@@ -124,8 +124,9 @@ pub struct BlockPool {
     events: Option<Vec<KvEvent>>,
     /// While `Some`, the blocks whose cache entry was evicted (a batched step's record).
     evicted: Option<Vec<u32>>,
-    /// Keys removed from the cache so far (evictions and resets): while it stays the same,
-    /// every key that was cached still is, so a cached prefix can only grow.
+    /// Blocks taken out of the cache so far (evictions, and resets): while it stays the same,
+    /// every block that was cached still is, under its key and first among the key's blocks
+    /// if it was first, so a cached prefix can only grow and a lookup finds the same blocks.
     removals: u64,
 }
 
@@ -194,8 +195,8 @@ impl BlockPool {
         &self.cached
     }
 
-    /// Keys removed from the cache so far (see the field): unchanged means nothing cached was
-    /// lost since.
+    /// Blocks taken out of the cache so far (see the field): unchanged means nothing cached
+    /// was lost or reordered since.
     pub fn removals(&self) -> u64 {
         self.removals
     }
@@ -254,9 +255,9 @@ impl BlockPool {
         if blocks.len() == before {
             return;
         }
+        self.removals += 1;
         if blocks.is_empty() {
             self.cached.remove(&key);
-            self.removals += 1;
         }
         if let Some(evicted) = &mut self.evicted {
             evicted.push(block);

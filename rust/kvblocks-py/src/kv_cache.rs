@@ -489,15 +489,21 @@ impl PyKvCacheManager {
 
     /// vLLM's `find_longest_cache_hit`: `(blocks, num_tokens, num_uncached_common_tokens)`,
     /// the cached prefix (at most `max_length` tokens) every group can serve (the shared
-    /// empty result when there is none).
-    #[pyo3(signature = (block_hashes, max_length, /))]
+    /// empty result when there is none). With `request_id`, a request `probe_request` probed
+    /// resumes that walk where nothing cached was removed since (the same hit).
+    #[pyo3(signature = (block_hashes, max_length, /, request_id = None))]
     fn lookup<'py>(
         &self,
         py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
         max_length: usize,
+        request_id: Option<&str>,
     ) -> GlueResult<(Py<PyKvCacheBlockIds>, usize, usize)> {
-        let hit = self.lock()?.lookup(&hashes_arg(block_hashes)?, max_length)?;
+        let hashes = hashes_arg(block_hashes)?;
+        let hit = match request_id {
+            Some(id) => self.lock()?.lookup_request(id, &hashes, max_length)?,
+            None => self.lock()?.lookup(&hashes, max_length)?,
+        };
         Ok((self.blocks(py, hit.blocks)?, hit.num_tokens, hit.num_uncached_common))
     }
 

@@ -11,6 +11,11 @@
 use super::spec::{AttentionKind, CoordinatorConfig};
 use crate::hashing::BlockHash;
 use crate::pool::{BlockPool, CacheKey, NULL_BLOCK};
+use smallvec::SmallVec;
+
+/// One block per group of a lookup set, found at one position (no heap allocation for the
+/// few groups a set has).
+type Found = SmallVec<[u32; 4]>;
 
 /// The cached blocks a request can adopt, per group (null blocks where a group needs no
 /// block), and the number of tokens they cover.
@@ -88,7 +93,7 @@ fn find_for_kind<F: HitFilter + ?Sized>(
     let max_blocks = (max_length / block_size).min(hashes.len());
     let searched = hashes.get(..max_blocks).unwrap_or_default();
     let mut blocks = vec![Vec::new(); groups.len()];
-    let push = |blocks: &mut Vec<Vec<u32>>, found: Vec<u32>| {
+    let push = |blocks: &mut Vec<Vec<u32>>, found: Found| {
         blocks.iter_mut().zip(found).for_each(|(b, f)| b.push(f));
     };
     match kind {
@@ -103,7 +108,7 @@ fn find_for_kind<F: HitFilter + ?Sized>(
             // Only the blocks the last token's window reads must be cached: search from the
             // right for enough contiguous hits; everything before them is null.
             let needed = kind.window_hit_blocks(block_size, drop_eagle).unwrap_or(0);
-            let mut run: Vec<Vec<u32>> = Vec::new();
+            let mut run: Vec<Found> = Vec::new();
             let mut found = None;
             for (i, hash) in searched.iter().enumerate().rev() {
                 match search.cached(i, hash, groups, &[]) {
@@ -207,8 +212,8 @@ impl<F: HitFilter + ?Sized> Search<'_, F> {
         hash: &BlockHash,
         groups: &[usize],
         hit: &[Vec<u32>],
-    ) -> Option<Vec<u32>> {
-        let mut found = Vec::with_capacity(groups.len());
+    ) -> Option<Found> {
+        let mut found = Found::new();
         for (k, &g) in groups.iter().enumerate() {
             let key = CacheKey::new(*hash, g as u32);
             let before = hit.get(k).map_or(&[][..], Vec::as_slice);

@@ -33,31 +33,32 @@ impl KvCacheCoordinator {
         Ok(hit::find_longest_cache_hit(&search, &self.sets, self.num_groups(), max_length))
     }
 
-    /// The cached prefix of `hashes` in blocks, walked from block `from` on (the blocks
-    /// before it are known to be cached), at most `max_length` tokens: what
-    /// [`Self::find_longest_cache_hit`] finds, where it is a plain longest prefix (one
-    /// full-attention group, no EAGLE drop, caching on). `None` for any other layout.
-    pub fn cached_prefix_from(
+    /// Whether a lookup's hit is a plain longest prefix of cached blocks: one full-attention
+    /// group, no EAGLE drop, caching on ([`Self::extend_cached_prefix`] answers for it).
+    pub fn is_plain_prefix(&self) -> bool {
+        self.config.enable_caching
+            && self.num_groups() == 1
+            && matches!(self.sets.as_slice(), [only] if only.kind == AttentionKind::Full && !only.drop_eagle)
+    }
+
+    /// Where [`Self::is_plain_prefix`]: the cached prefix of `hashes`, at most `max_length`
+    /// tokens, given `blocks`, a prefix of it found earlier (cut to the limit, then extended
+    /// block by block): the blocks [`Self::find_longest_cache_hit`] finds, the first block
+    /// registered under each key.
+    pub fn extend_cached_prefix(
         &self,
         hashes: &(impl HashSource + ?Sized),
-        from: usize,
+        blocks: &mut Vec<u32>,
         max_length: usize,
-    ) -> CoreResult<Option<usize>> {
-        let plain = self.config.enable_caching
-            && self.num_groups() == 1
-            && matches!(self.sets.as_slice(), [only] if only.kind == AttentionKind::Full && !only.drop_eagle);
-        if !plain {
-            return Ok(None);
-        }
+    ) -> CoreResult<()> {
         let limit = hashes.len().min(max_length / self.config.block_size());
-        let mut blocks = from.min(limit);
-        while blocks < limit {
-            if self.pool.lookup(&CacheKey::new(hashes.get(blocks)?, 0)).is_empty() {
-                break;
-            }
-            blocks += 1;
+        blocks.truncate(limit);
+        while blocks.len() < limit {
+            let key = CacheKey::new(hashes.get(blocks.len())?, 0);
+            let Some(&block) = self.pool.lookup(&key).first() else { break };
+            blocks.push(block);
         }
-        Ok(Some(blocks))
+        Ok(())
     }
 
     /// vLLM's `find_longest_cache_hit_per_group` (the lookup for a KV connector that accepts

@@ -40,14 +40,21 @@ pub struct KvCacheManager {
     /// Mamba states registered since the last [`Self::take_boundary_states`], with the
     /// request that registered each, in call order.
     boundary_states: Vec<(String, BoundaryState)>,
-    /// [`Self::num_cached_tokens`]'s last answer per request: the pool's removal count then,
-    /// and the cached prefix in blocks.
-    probes: IdMap<(u64, usize)>,
+    /// [`Self::num_cached_tokens`]'s last answer per request.
+    probes: IdMap<Probe>,
+}
+
+/// What a probe found of a request's cached prefix: the pool's removal count then, and the
+/// prefix's blocks (valid while that count stays the same).
+#[derive(Debug, Clone)]
+struct Probe {
+    removals: u64,
+    blocks: Vec<u32>,
 }
 
 /// Probes remembered at most (the requests a scheduler's admission window probes are far
 /// fewer; past it the memory is dropped and refilled).
-const MAX_PROBES: usize = 1 << 16;
+const MAX_PROBES: usize = 1 << 12;
 
 impl KvCacheManager {
     pub fn new(config: CoordinatorConfig) -> CoreResult<Self> {
@@ -98,21 +105,45 @@ impl KvCacheManager {
         hashes: &(impl HashSource + ?Sized),
         max_length: usize,
     ) -> CoreResult<usize> {
-        let removals = self.coordinator.pool().removals();
-        let from = match self.probes.get(request_id) {
-            Some(&(seen, blocks)) if seen == removals => blocks,
-            _ => 0,
-        };
-        match self.coordinator.cached_prefix_from(hashes, from, max_length)? {
-            Some(blocks) => {
-                if self.probes.len() >= MAX_PROBES && !self.probes.contains_key(request_id) {
-                    self.probes.clear();
-                }
-                self.probes.insert(request_id.to_owned(), (removals, blocks));
-                Ok(blocks * self.coordinator.config().block_size())
-            }
-            None => Ok(self.lookup(hashes, max_length)?.num_tokens),
+        if !self.coordinator.is_plain_prefix() {
+            return Ok(self.lookup(hashes, max_length)?.num_tokens);
         }
+        if self.probes.len() >= MAX_PROBES && !self.probes.contains_key(request_id) {
+            self.probes.clear();
+        }
+        let removals = self.coordinator.pool().removals();
+        let probe = match self.probes.get_mut(request_id) {
+            Some(probe) => probe,
+            None => self
+                .probes
+                .entry(request_id.to_owned())
+                .or_insert(Probe { removals, blocks: Vec::new() }),
+        };
+        if probe.removals != removals {
+            probe.removals = removals;
+            probe.blocks.clear();
+        }
+        self.coordinator.extend_cached_prefix(hashes, &mut probe.blocks, max_length)?;
+        Ok(probe.blocks.len() * self.coordinator.config().block_size())
+    }
+
+    /// [`Self::lookup`] for request `request_id`: where the request was probed
+    /// ([`Self::num_cached_tokens`], vLLM 0.34's cache-aware admission, which looks up the
+    /// requests it admits right after probing them) and nothing cached was removed since,
+    /// the probe's walk resumed instead of a new one. The same hit.
+    pub fn lookup_request(
+        &mut self,
+        request_id: &str,
+        hashes: &(impl HashSource + ?Sized),
+        max_length: usize,
+    ) -> CoreResult<CacheHit> {
+        let removals = self.coordinator.pool().removals();
+        let Some(probe) = self.probes.get_mut(request_id).filter(|p| p.removals == removals) else {
+            return self.lookup(hashes, max_length);
+        };
+        self.coordinator.extend_cached_prefix(hashes, &mut probe.blocks, max_length)?;
+        let num_tokens = probe.blocks.len() * self.coordinator.config().block_size();
+        Ok(CacheHit { blocks: vec![probe.blocks.clone()], num_tokens, num_uncached_common: 0 })
     }
 
     /// vLLM's per-group search (see [`KvCacheCoordinator::find_cache_hit_per_group`]).

@@ -829,19 +829,36 @@ fn admission_probes_answer_as_lookups() {
         for step in 0..200 {
             for (id, chain, tokens) in &waiting {
                 let probe = m.num_cached_tokens(id, &chain[..], tokens - 1).unwrap();
-                let lookup = m.lookup(&chain[..], tokens - 1).unwrap().num_tokens;
-                assert_eq!(probe, lookup, "step {step}, {id}");
+                let lookup = m.lookup(&chain[..], tokens - 1).unwrap();
+                assert_eq!(probe, lookup.num_tokens, "step {step}, {id}");
                 hits += usize::from(probe > 0);
+                // A lookup for a probed request (resuming the probe's walk where nothing was
+                // removed since) finds the same blocks, within a lower hit limit too.
+                let limit = if next(3) == 0 { next(*tokens as u64) as usize } else { tokens - 1 };
+                let expected = m.lookup(&chain[..], limit).unwrap();
+                let resumed = m.lookup_request(id, &chain[..], limit).unwrap();
+                assert_eq!(resumed.blocks, expected.blocks, "step {step}, {id}, limit {limit}");
+                assert_eq!(
+                    (resumed.num_tokens, resumed.num_uncached_common),
+                    (expected.num_tokens, expected.num_uncached_common)
+                );
+                assert_eq!(m.lookup(&chain[..], tokens - 1).unwrap().blocks, lookup.blocks);
             }
             match next(5) {
                 0 | 1 => {
-                    // a new request caches a chain sharing a root's prefix
+                    // a new request caches a chain sharing a root's prefix; one in three
+                    // ignores its hit, caching second copies of blocks already cached (the
+                    // eviction of a first copy changes the block a lookup finds)
                     let root = next(3) as u8 * 60;
                     let len = next(10) as u8 + 1;
                     let chain: Vec<BlockHash> = (0..len).map(|b| h(root + b + 1)).collect();
                     let id = format!("r{step}");
                     let tokens = chain.len() * 4 + 1;
-                    let hit = m.lookup(&chain[..], tokens - 1).unwrap();
+                    let hit = if next(3) == 0 {
+                        CacheHit::empty(m.config().groups.len())
+                    } else {
+                        m.lookup(&chain[..], tokens - 1).unwrap()
+                    };
                     let args = AllocateArgs {
                         num_new_tokens: tokens - hit.num_tokens,
                         num_new_computed_tokens: hit.num_tokens,
