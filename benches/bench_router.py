@@ -14,7 +14,8 @@ prefixes: about 600,000 distinct blocks in the index, 700,000 (replica, block) p
 (c) hashing a 2,000-token prompt as the replica's engine would (``PromptBlockHasher``),
     reported apart from the lookup;
 (d) bytes per indexed block (printed: the table's allocation over its keys, and over the
-    (replica, block) pairs it answers for).
+    (replica, block) pairs it answers for), grown on demand and reserved for the fleet, and
+    at fleet scale (48 replicas, 4.8 million (replica, block) pairs).
 """
 
 from __future__ import annotations
@@ -134,14 +135,51 @@ def test_hashing_a_prompt_apart(benchmark: Any) -> None:
 
 
 def test_bytes_per_block(fleet: dict[str, Any]) -> None:
+    """The table grown on demand (at most 7/8 full, growing by half), and one reserved for
+    the fleet's (replica, block) pairs, as a router that knows its replicas' pools sizes it."""
     index = fleet["indexes"]["rust"]
     pairs = sum(index.held(r) for r in range(REPLICAS))
-    per_key = index.table_bytes / index.num_keys
-    per_pair = index.table_bytes / pairs
-    print(
-        f"\nindex: {index.num_keys:,} keys, {pairs:,} (replica, block) pairs, "
-        f"{index.table_bytes / 2**20:.1f} MiB: {per_key:.1f} bytes per key, "
-        f"{per_pair:.1f} per (replica, block)"
-    )
+    reserved = RustIndex(11)
+    reserved.reserve(pairs)
+    for r, prompts in fleet["held"].items():
+        reserved.add_replica(r)
+        for hashes in prompts:
+            reserved.store(r, hashes, 0, 0)
+    for name, table in (("grown", index), ("reserved for the pairs", reserved)):
+        print(
+            f"\nindex, {name}: {table.num_keys:,} keys, {pairs:,} (replica, block) pairs, "
+            f"{table.table_bytes / 2**20:.1f} MiB: {table.table_bytes / table.num_keys:.1f} "
+            f"bytes per key, {table.table_bytes / pairs:.1f} per (replica, block)"
+        )
     assert index.num_keys > 500_000
-    assert per_key < 17 * 8 / 7 * 2  # a 16-byte entry and a control byte, at worst half full
+    assert reserved.num_keys == index.num_keys
+    # 12-byte slots (every replica id below 32), at most 7/8 full
+    assert index.table_bytes / index.num_keys < 12 * 8 / 7 * 1.5
+    assert reserved.table_bytes / pairs < 12 * 8 / 7 + 0.01
+
+
+def test_millions_of_blocks_over_dozens_of_replicas() -> None:
+    """Memory and build rate at fleet scale: 48 replicas holding 100,000 blocks each, a
+    third of each replica's blocks shared with others (4.8 million (replica, block) pairs;
+    replica ids past 32 make the replica sets 8 bytes)."""
+    rng = random.Random(8)
+    shared = [rng.getrandbits(64) for _ in range(200_000)]
+    index = RustIndex(3)
+    replicas, per_replica = 48, 100_000
+    start = time.perf_counter()
+    for r in range(replicas):
+        index.add_replica(r)
+        first = rng.randrange(len(shared) - per_replica // 3)
+        own = shared[first : first + per_replica // 3]
+        own += [rng.getrandbits(64) for _ in range(per_replica - len(own))]
+        index.store(r, own, 0, 0)
+    seconds = time.perf_counter() - start
+    pairs = sum(index.held(r) for r in range(replicas))
+    assert pairs == replicas * per_replica
+    print(
+        f"\nfleet of {replicas} replicas: {index.num_keys:,} keys, {pairs:,} (replica, block) "
+        f"pairs, {index.table_bytes / 2**20:.1f} MiB: {index.table_bytes / index.num_keys:.1f} "
+        f"bytes per key, {index.table_bytes / pairs:.1f} per (replica, block); built in "
+        f"{seconds:.2f} s with the hashes generated"
+    )
+    assert index.table_bytes / index.num_keys < 16 * 8 / 7 * 1.5

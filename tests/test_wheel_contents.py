@@ -28,8 +28,10 @@ ALLOWLIST = {
     "kvblocks/kv_events.py",
     "kvblocks/stats.py",
     "kvblocks/step.py",
-    # The routing index for fleets of vLLM replicas (on the native RouterIndex).
+    # The routing index for fleets of vLLM replicas (on the native RouterIndex), and the
+    # `kvblocks route` service on it.
     "kvblocks/router.py",
+    "kvblocks/route.py",
     # kvblocks inside vLLM: the plugin, hasher (and the prompt hasher for frontends), manager,
     # scheduler hook, allowlist (support), status, the releases it supports and the
     # fingerprints of the vLLM rules it reproduces.

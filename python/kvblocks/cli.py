@@ -7,12 +7,15 @@
                     (needs vLLM: pip install ".[vllm]" in a kvblocks checkout).
 ``kvblocks bench-hashing``  times block hashing, Rust against the pure-Python reference.
 ``kvblocks hash``   prints the chained block hashes of a JSON list of token ids.
+``kvblocks route``  answers best-replica queries for a fleet of vLLM replicas over HTTP, from
+                    their KV event streams (kvblocks.route; needs pip install "kvblocks[router]").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -518,6 +521,32 @@ def _plot_vllm(result: Any, path: str) -> None:
     print(f"plot written to {path}")
 
 
+def route_command(args: argparse.Namespace) -> int:
+    """Serves ``kvblocks.route`` until interrupted."""
+    try:
+        from kvblocks.route import load_fleet, serve
+    except ImportError as error:  # pyzmq or msgspec missing
+        raise ImportError(f"{error}; {install_hint('router')}") from None
+    fleet = load_fleet(args.fleet)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops it as Ctrl-C does: feeds and sockets closed
+
+    signal.signal(signal.SIGTERM, stop)
+    with serve(fleet, args.host, args.port) as running:
+        print(
+            f"kvblocks route: {len(fleet.replicas)} replicas, serving on {running.url} "
+            "(POST /score, GET /replicas, GET /health)",
+            flush=True,
+        )
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
 def hash_command(args: argparse.Namespace) -> int:
     source = sys.stdin if args.file == "-" else open(args.file)  # noqa: SIM115
     name = "stdin" if args.file == "-" else args.file
@@ -739,6 +768,14 @@ def parser() -> argparse.ArgumentParser:
     h.add_argument("--cache-salt", default=None)
     h.add_argument("--lora", nargs=2, metavar=("NAME", "PATH"), default=None)
     h.set_defaults(func=hash_command)
+
+    r = sub.add_parser(
+        "route", help="answer best-replica queries for a fleet of vLLM replicas over HTTP"
+    )
+    r.add_argument("fleet", help="the fleet's JSON file (see kvblocks.route)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8100)
+    r.set_defaults(func=route_command)
     return top
 
 

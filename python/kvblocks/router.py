@@ -358,6 +358,12 @@ class ReplicaFeed:
     def close(self) -> None:
         self._sub.close(linger=0)
 
+    @property
+    def socket(self) -> Any:
+        """The SUB socket, for a caller that waits on several feeds at once (a
+        ``zmq.Poller``) before polling the ready ones with ``timeout_ms=0``."""
+        return self._sub
+
     def poll(self, timeout_ms: int = 0) -> int:
         """Applies every message that arrives within ``timeout_ms`` (then whatever is already
         queued); returns how many batches were applied."""

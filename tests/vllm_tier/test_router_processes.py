@@ -252,3 +252,63 @@ def test_the_index_follows_replicas_over_zmq(fleet: Any) -> None:
     assert index.counts()["unknown_removals"] == 0
     print(f"\nprefill tokens found cached: {saved}")
     assert saved["index"] > saved["round robin"]
+
+
+def test_kvblocks_route_over_http_routes_real_replicas(fleet: Any) -> None:
+    """``kvblocks route`` (kvblocks.route.serve) following two replica processes: for a trace
+    routed mostly by its HTTP answers, each replica's scheduler takes the hit the answer
+    predicted for it."""
+    import urllib.request
+
+    from kvblocks.route import load_fleet, serve
+
+    replicas, _feeds = fleet
+    for _ in range(2):
+        replicas.append(Replica(num_blocks=48))
+    entries = [
+        {
+            "name": f"r{i}",
+            "url": f"http://replica-{i}:8000",
+            "events": replica.endpoint(),
+            "replay": replica.replay_endpoint(),
+            "hash_algo": "sha256",
+            "hash_block_size": 16,
+            "none_hash": replica.none_hash.hex(),
+        }
+        for i, replica in enumerate(replicas)
+    ]
+    routed = {"r0": 0, "r1": 0}
+    found = 0  # prompt tokens the replicas found cached, as predicted
+    with serve(load_fleet({"replicas": entries}), port=0) as running:
+        time.sleep(0.5)  # the feeds' subscriptions reach the publishers
+        for i, command in enumerate(trace(11, 30)):
+            if command["lora"]:
+                continue  # LoRA over HTTP: lora_name and lora_path, checked in tests/test_route.py
+            body = {"prompt_token_ids": command["prompt"], "cache_salt": command["salt"]}
+            request = urllib.request.Request(
+                running.url + "/score",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                answer = json.loads(response.read())
+            best = answer["best"]
+            assert answer["url"] == f"http://replica-{best[1:]}:8000"
+            assert answer["scores"][best] == max(answer["scores"].values())
+            # every third request goes elsewhere (as a router balancing load would send it):
+            # the prediction holds for every replica, not only the best
+            name = best if i % 3 else f"r{i % 2}"
+            result = replicas[int(name[1:])].ask(command)
+            assert result["hit"] == answer["scores"][name], (command["id"], answer, result)
+            routed[name] += 1
+            found += result["hit"]
+            deadline = time.monotonic() + 20
+            feed = running.service.feeds[name]
+            while feed.last_seq is None or feed.last_seq < result["seq"]:
+                assert time.monotonic() < deadline, f"{name} never caught up"
+                time.sleep(0.01)
+        hits = sum(running.service.index.held(n) for n in routed)
+    # Not vacuous: both replicas served, hits were predicted, the index holds blocks.
+    assert min(routed.values()) > 0, routed
+    assert found > 0
+    assert hits > 0

@@ -1,0 +1,359 @@
+"""``kvblocks route``: a small HTTP service that answers best-replica queries for a fleet of
+vLLM replicas from a live :class:`kvblocks.router.RoutingIndex`, for those without a router
+of their own (a router that takes a Python scorer passes ``RoutingIndex.score`` instead).
+
+The fleet is a JSON file::
+
+    {"replicas": [
+        {"name": "a", "url": "http://a:8000",
+         "events": "tcp://a:5557", "replay": "tcp://a:5558",
+         "hash_algo": "sha256", "hash_block_size": 16, "hash_seed": "0",
+         "kinds": ["full_attention"]}
+    ]}
+
+Per replica: its name; optionally the URL the answer names; its KV event endpoints (vLLM's
+``--kv-events-config`` ``endpoint`` and ``replay_endpoint``; without ``events`` the replica
+is registered but nothing updates it); its engine's ``PrefixHashConfig``: ``hash_algo``,
+``hash_block_size``, ``num_lookahead_tokens`` (default 0) and its NONE_HASH, as
+``none_hash`` (hex) or as the ``hash_seed`` vLLM derives it from (the engine's
+``PYTHONHASHSEED``); with neither, a SHA-256 engine's (vLLM's fixed seed when
+``PYTHONHASHSEED`` is unset; an xxhash engine without it draws its NONE_HASH at random, so
+that one must be given); and its KV-cache groups
+(``kinds``, default one full-attention group; ``block_size``, default the hash block size).
+
+Endpoints (JSON in, JSON out):
+
+- ``POST /score`` with ``{"prompt_token_ids": [...]}`` and optionally ``cache_salt``,
+  ``lora_name`` with ``lora_path`` (vLLM's ``LoRARequest`` fields, which vLLM hashes) and
+  ``medium`` (``"GPU"``, or ``"CPU"`` for the offloading tier): ``{"scores": {name: tokens
+  or null}, "best": name or null, "url": the best replica's url or null}``;
+- ``GET /replicas``: per replica its url, blocks held and feed state (last sequence number,
+  batches replayed, resyncs, restarts, malformed messages), and the index's counts;
+- ``GET /health``: ``{"status": "ok"}``.
+
+Bad requests get a 400 with ``{"error": ...}``; the service goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from kvblocks._core import BlockHasher
+from kvblocks.router import GPU, ReplicaFeed, ReplicaLayout, RoutingIndex
+
+__all__ = ["Fleet", "ReplicaSpec", "RouteService", "Running", "load_fleet", "serve"]
+
+#: The seed vLLM derives a SHA-256 engine's NONE_HASH from when ``PYTHONHASHSEED`` is unset
+#: (vLLM's ``DEFAULT_NONE_HASH_SEED``).
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+#: The most bytes a request body may have (a 2,000-token prompt is about 12 kB of JSON).
+MAX_BODY = 16 << 20
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One replica of the fleet file (see the module's documentation)."""
+
+    name: str
+    prefix_hash_config: SimpleNamespace
+    layout: ReplicaLayout
+    url: str | None = None
+    events: str | None = None
+    replay: str | None = None
+
+
+@dataclass(frozen=True)
+class Fleet:
+    replicas: tuple[ReplicaSpec, ...]
+
+
+_REPLICA_FIELDS = frozenset(
+    {
+        "name",
+        "url",
+        "events",
+        "replay",
+        "hash_algo",
+        "hash_block_size",
+        "num_lookahead_tokens",
+        "none_hash",
+        "hash_seed",
+        "kinds",
+        "block_size",
+    }
+)
+
+
+def _str_field(entry: Mapping[str, Any], key: str, where: str) -> str | None:
+    value = entry.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where}: {key} must be a string, got {value!r}")
+    return value
+
+
+def _replica_spec(entry: Any, where: str) -> ReplicaSpec:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: a replica must be an object, got {entry!r}")
+    unknown = set(entry) - _REPLICA_FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
+    name = _str_field(entry, "name", where)
+    if not name:
+        raise ValueError(f"{where}: a replica needs a name")
+    algo = _str_field(entry, "hash_algo", where) or "sha256"
+    block = entry.get("hash_block_size", 16)
+    lookahead = entry.get("num_lookahead_tokens", 0)
+    for key, value in (("hash_block_size", block), ("num_lookahead_tokens", lookahead)):
+        if type(value) is not int or value < 0 or (key == "hash_block_size" and value < 1):
+            raise ValueError(f"{where}: {key} must be a non-negative int, got {value!r}")
+    if "none_hash" in entry and "hash_seed" in entry:
+        raise ValueError(f"{where}: give the engine's none_hash or its hash_seed, not both")
+    if "none_hash" in entry:
+        text = _str_field(entry, "none_hash", where) or ""
+        try:
+            none_hash = bytes.fromhex(text)
+        except ValueError:
+            raise ValueError(f"{where}: none_hash must be hex, got {text!r}") from None
+    elif "hash_seed" in entry:
+        seed = _str_field(entry, "hash_seed", where)
+        none_hash = BlockHasher(algo, seed=seed).none_hash
+    elif algo.startswith("sha256"):
+        none_hash = BlockHasher(algo, seed=DEFAULT_NONE_HASH_SEED).none_hash
+    else:
+        raise ValueError(
+            f"{where}: a {algo} engine draws its NONE_HASH at random unless PYTHONHASHSEED is "
+            "set: give its hash_seed (or none_hash)"
+        )
+    config = SimpleNamespace(
+        hash_algo=algo,
+        hash_block_size=block,
+        none_hash=none_hash,
+        num_lookahead_tokens=lookahead,
+    )
+    kinds = entry.get("kinds", ["full_attention"])
+    if not isinstance(kinds, list):
+        raise ValueError(f"{where}: kinds must be a list of group kinds, got {kinds!r}")
+    layout = ReplicaLayout(tuple(kinds), entry.get("block_size"))
+    return ReplicaSpec(
+        name=name,
+        prefix_hash_config=config,
+        layout=layout,
+        url=_str_field(entry, "url", where),
+        events=_str_field(entry, "events", where),
+        replay=_str_field(entry, "replay", where),
+    )
+
+
+def load_fleet(source: str | Path | Mapping[str, Any]) -> Fleet:
+    """The fleet of a JSON file (a path) or of its parsed content; ValueError naming the
+    first bad field."""
+    if isinstance(source, (str, Path)):
+        try:
+            data = json.loads(Path(source).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{source}: not JSON: {error}") from None
+    else:
+        data = source
+    replicas = data.get("replicas") if isinstance(data, Mapping) else None
+    if not isinstance(replicas, list) or not replicas:
+        raise ValueError('a fleet is {"replicas": [...]} with at least one replica')
+    specs = tuple(_replica_spec(r, f"replicas[{i}]") for i, r in enumerate(replicas))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"replica names must be unique, got {names}")
+    return Fleet(specs)
+
+
+class RouteService:
+    """The index, one feed per replica with an event endpoint, and the answers the HTTP
+    endpoints give. :meth:`poll` applies what the feeds received; :meth:`score` and
+    :meth:`replicas` answer (all under one lock, so that an answer never sees half a
+    batch)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.index = RoutingIndex()
+        self.urls: dict[str, str | None] = {}
+        self.feeds: dict[str, ReplicaFeed] = {}
+        self._lock = threading.Lock()
+        try:
+            for spec in fleet.replicas:
+                self.index.add_replica(spec.name, spec.prefix_hash_config, spec.layout)
+                self.urls[spec.name] = spec.url
+                if spec.events is not None:
+                    self.feeds[spec.name] = ReplicaFeed(
+                        self.index, spec.name, spec.events, replay_endpoint=spec.replay
+                    )
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for feed in self.feeds.values():
+            feed.close()
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Waits up to ``timeout_ms`` for any feed to receive a batch (without the lock, so
+        that queries go on meanwhile), then applies what the ready feeds received; returns
+        how many batches."""
+        if not self.feeds:
+            return 0
+        import zmq
+
+        poller = zmq.Poller()
+        by_socket = {}
+        for feed in self.feeds.values():
+            poller.register(feed.socket, zmq.POLLIN)
+            by_socket[feed.socket] = feed
+        applied = 0
+        for socket, _ in poller.poll(timeout_ms):
+            with self._lock:
+                applied += by_socket[socket].poll(0)
+        return applied
+
+    def score(self, body: Any) -> dict[str, Any]:
+        """The answer to ``POST /score`` (ValueError or TypeError for a bad body)."""
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        unknown = set(body) - {"prompt_token_ids", "cache_salt", "lora_name", "lora_path", "medium"}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
+        prompt = body.get("prompt_token_ids")
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"cache_salt must be a string, got {salt!r}")
+        lora = None
+        if body.get("lora_name") is not None or body.get("lora_path") is not None:
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not isinstance(path, str):
+                raise ValueError("lora_name and lora_path are strings, given together")
+            lora = SimpleNamespace(lora_name=name, lora_path=path)
+        medium = body.get("medium", GPU)
+        if not isinstance(medium, str):
+            raise ValueError(f"medium must be a string, got {medium!r}")
+        with self._lock:
+            scores = self.index.score(prompt, lora_request=lora, cache_salt=salt, medium=medium)
+        known = [(tokens, -i, name) for i, (name, tokens) in enumerate(scores.items())]
+        best = max((k for k in known if k[0] is not None), default=None)
+        name = best[2] if best else None
+        return {"scores": scores, "best": name, "url": self.urls.get(name) if name else None}
+
+    def replicas(self) -> dict[str, Any]:
+        """The answer to ``GET /replicas``."""
+        with self._lock:
+            out: dict[str, Any] = {}
+            for name in self.index.replicas:
+                feed = self.feeds.get(name)
+                out[name] = {
+                    "url": self.urls.get(name),
+                    "blocks_held": self.index.held(name),
+                    "feed": None
+                    if feed is None
+                    else {
+                        "last_seq": feed.last_seq,
+                        "replayed": feed.replayed,
+                        "resyncs": feed.resyncs,
+                        "restarts": feed.restarts,
+                        "malformed": feed.malformed,
+                    },
+                }
+            return {"replicas": out, "counts": self.index.counts()}
+
+
+def _handler(service: RouteService) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "kvblocks-route"
+
+        def _send(self, status: int, payload: Any) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200, {"status": "ok"})
+            elif self.path == "/replicas":
+                self._send(200, service.replicas())
+            else:
+                self._send(404, {"error": f"no such endpoint: GET {self.path}"})
+
+        def do_POST(self) -> None:
+            if self.path != "/score":
+                self._send(404, {"error": f"no such endpoint: POST {self.path}"})
+                return
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+                if not 0 < length <= MAX_BODY:
+                    raise ValueError(f"a body of 1 to {MAX_BODY} bytes is needed, got {length}")
+                answer = service.score(json.loads(self.rfile.read(length)))
+            except (ValueError, TypeError, OverflowError) as error:
+                self._send(400, {"error": str(error)})
+                return
+            self._send(200, answer)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per query would drown a router's log
+
+    return Handler
+
+
+@dataclass(frozen=True)
+class Running:
+    """A service :func:`serve` started: its state and its HTTP server."""
+
+    service: RouteService
+    server: ThreadingHTTPServer
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+
+@contextmanager
+def serve(fleet: Fleet, host: str = "127.0.0.1", port: int = 8100) -> Iterator[Running]:
+    """Runs the service in background threads (HTTP, and the feeds' polling) until the
+    ``with`` block ends (``port=0``: a free port, in ``Running.url``)."""
+    service = RouteService(fleet)
+    try:
+        server = ThreadingHTTPServer((host, port), _handler(service))
+    except BaseException:
+        service.close()
+        raise
+    server.daemon_threads = True
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.is_set():
+            if not service.feeds:
+                stop.wait(0.5)
+            else:
+                service.poll(50)
+
+    threads = [
+        threading.Thread(target=server.serve_forever, name="kvblocks-route-http", daemon=True),
+        threading.Thread(target=follow, name="kvblocks-route-feeds", daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        yield Running(service, server)
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+        for thread in threads:
+            thread.join(5)
+        service.close()

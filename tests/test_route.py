@@ -1,0 +1,231 @@
+"""``kvblocks route`` (kvblocks.route): the fleet file, the HTTP answers, and a replica's KV
+events arriving over ZMQ as vLLM's ``ZmqEventPublisher`` sends them (``[topic, seq, batch]``,
+the batch msgpack-encoded as vLLM's ``KVEventBatch``: ``[ts, [event, ...], dp_rank]`` with each
+event a map tagged ``type``), here written by hand with msgspec and pyzmq. The same service
+against real vLLM replica processes: tests/vllm_tier/test_router_processes.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvblocks._core import BlockHasher
+from kvblocks.route import RouteService, load_fleet, serve
+
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+SEED = "7"
+NONE_HASH = BlockHasher("sha256", seed=SEED).none_hash
+
+
+#: A field :func:`fleet_json` leaves out.
+DROP = object()
+
+
+def fleet_json(**replica: Any) -> dict[str, Any]:
+    base = {"name": "a", "hash_algo": "sha256", "hash_block_size": 16, "hash_seed": SEED}
+    entry = {k: v for k, v in {**base, **replica}.items() if v is not DROP}
+    return {"replicas": [entry]}
+
+
+def post(url: str, body: Any) -> tuple[int, Any]:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def block_hashes(tokens: list[int], **keys: Any) -> list[bytes]:
+    return BlockHasher("sha256", block_size=16).hash_blocks(tokens, parent=NONE_HASH, **keys)
+
+
+def stored(hashes: list[bytes], tokens: list[int]) -> dict[str, Any]:
+    """A ``BlockStored`` as vLLM encodes it, its hashes as ints (vLLM's default)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": [int.from_bytes(h[-8:], "big") for h in hashes],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"name": ""}, "needs a name"),
+        ({"hash_block_size": 0}, "hash_block_size"),
+        ({"none_hash": "00"}, "not both"),
+        ({"none_hash": "zz", "hash_seed": DROP}, "must be hex"),
+        ({"hash_algo": "xxhash", "hash_seed": DROP}, "draws its NONE_HASH at random"),
+        ({"colour": "red"}, "unknown fields"),
+        ({"kinds": "full_attention"}, "kinds must be a list"),
+        ({"events": 5557}, "events must be a string"),
+    ],
+)
+def test_a_bad_fleet_file_names_its_field(change: dict[str, Any], message: str) -> None:
+    data = fleet_json(**change)
+    with pytest.raises(ValueError, match=message):
+        load_fleet(data)
+
+
+def test_a_fleet_file(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet_json(url="http://a:8000", kinds=["full_attention"] * 2)))
+    (spec,) = load_fleet(path).replicas
+    assert spec.prefix_hash_config.none_hash == NONE_HASH
+    assert (spec.url, spec.layout.kinds) == ("http://a:8000", ("full_attention",) * 2)
+    # a SHA-256 engine without PYTHONHASHSEED: vLLM's fixed seed
+    (default,) = load_fleet(fleet_json(hash_seed=DROP)).replicas
+    expected = BlockHasher("sha256", seed="vllm-none-hash").none_hash
+    assert default.prefix_hash_config.none_hash == expected
+    twice = {"replicas": fleet_json()["replicas"] * 2}
+    with pytest.raises(ValueError, match="unique"):
+        load_fleet(twice)
+    path.write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        load_fleet(path)
+
+
+def test_scores_over_http_from_events_over_zmq() -> None:
+    port = free_port()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    fleet = {
+        "replicas": [
+            *fleet_json(url="http://a:8000", events=f"tcp://127.0.0.1:{port}")["replicas"],
+            *fleet_json(name="b", url="http://b:8000")["replicas"],
+            *fleet_json(name="w", kinds=["full_attention", "sliding_window"])["replicas"],
+        ]
+    }
+    prompt = list(range(100, 180))  # 5 blocks
+    hashes = block_hashes(prompt)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        with serve(load_fleet(fleet), port=0) as running:
+            assert get(running.url + "/health") == {"status": "ok"}
+            time.sleep(0.3)  # the feed's subscription reaches the publisher
+            # replica a stores the prompt's first 3 blocks (sequence 0)
+            batch = [time.time(), [stored(hashes[:3], prompt[:48])], None]
+            publisher.send_multipart([b"", (0).to_bytes(8, "big"), encoder.encode(batch)])
+            deadline = time.monotonic() + 10
+            while running.service.index.held("a") < 3:
+                assert time.monotonic() < deadline, "the event never arrived"
+                time.sleep(0.02)
+            status, answer = post(running.url + "/score", {"prompt_token_ids": prompt})
+            assert status == 200
+            assert answer == {
+                "scores": {"a": 48, "b": 0, "w": None},
+                "best": "a",
+                "url": "http://a:8000",
+            }
+            # a cache salt keys the blocks apart: nothing cached for a salted prompt
+            _, salted = post(
+                running.url + "/score", {"prompt_token_ids": prompt, "cache_salt": "s"}
+            )
+            assert salted["scores"] == {"a": 0, "b": 0, "w": None}
+            # the CPU tier holds nothing
+            _, cpu = post(running.url + "/score", {"prompt_token_ids": prompt, "medium": "CPU"})
+            assert cpu["scores"]["a"] == 0
+            replicas = get(running.url + "/replicas")
+            assert replicas["replicas"]["a"]["blocks_held"] == 3
+            assert replicas["replicas"]["a"]["feed"]["last_seq"] == 0
+            assert replicas["replicas"]["b"]["feed"] is None
+            assert replicas["counts"]["stored"] == 3
+            # bad requests: a 400 naming the problem, and the service goes on
+            for body, message in [
+                ({"prompt_token_ids": []}, "non-empty list"),
+                ({"prompt_token_ids": [1, -2]}, "out of range"),
+                ({"prompt_token_ids": [1], "temperature": 0}, "unknown fields"),
+                ({"prompt_token_ids": [1], "lora_name": "x"}, "lora_path"),
+                ([1, 2], "JSON object"),
+            ]:
+                status, error = post(running.url + "/score", body)
+                assert status == 400, (body, error)
+                assert message in error["error"], (body, error)
+            assert post(running.url + "/score", {"prompt_token_ids": prompt})[1]["best"] == "a"
+    finally:
+        publisher.close(linger=0)
+
+
+class BlockStored(SimpleNamespace):
+    """Stands in for vLLM's event class of that name (the index reads its type's name)."""
+
+
+def test_the_score_needs_no_http() -> None:
+    """As a router's scorer: RouteService.score without the server; vLLM looks up at most
+    all but the last prompt token, so a fully cached 2-block prompt scores 1 block."""
+    service = RouteService(load_fleet(fleet_json()))
+    prompt = list(range(32))
+    event = BlockStored(block_hashes=block_hashes(prompt), medium=None, group_idx=0)
+    service.index.apply_events("a", [event])
+    assert service.score({"prompt_token_ids": prompt}) == {
+        "scores": {"a": 16},
+        "best": "a",
+        "url": None,
+    }
+    assert service.score({"prompt_token_ids": [*prompt, 5]})["scores"] == {"a": 32}
+
+
+def test_the_command_serves_until_stopped(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet_json()))
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvblocks", "route", str(path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert f"serving on http://127.0.0.1:{port}" in line, line
+        assert get(f"http://127.0.0.1:{port}/health") == {"status": "ok"}
+    finally:
+        process.terminate()
+        assert process.wait(10) == 0  # SIGTERM: a clean stop
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvblocks", "route", str(bad)], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "kvblocks: error: a fleet is" in done.stderr
+
+
+def test_the_documented_fleet_file_loads() -> None:
+    """docs/router.md's example fleet file is one load_fleet takes."""
+    text = (Path(__file__).parent.parent / "docs" / "router.md").read_text()
+    block = text.split("```json\n", 1)[1].split("```", 1)[0]
+    fleet = load_fleet(json.loads(block))
+    assert [r.name for r in fleet.replicas] == ["a", "b"]
+    assert (
+        fleet.replicas[0].prefix_hash_config.none_hash == BlockHasher("sha256", seed="0").none_hash
+    )
