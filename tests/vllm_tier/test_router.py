@@ -57,9 +57,11 @@ def fleet(
     )
     index = RoutingIndex()
     replicas = {}
-    with implementation(impl):
+    with implementation(impl) as manager:
         for i in range(num_replicas):
             replicas[f"replica-{i}"] = make_scheduler(model_dir, spec)
+            # the replica really runs the manager it is meant to (no fallback to vLLM's)
+            assert type(replicas[f"replica-{i}"].kv_cache_manager) is manager
     hasher = block_hasher(algo, 16)
     config = prefix_hash_config(algo, 16)
     for name in replicas:
