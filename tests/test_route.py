@@ -146,6 +146,11 @@ def test_scores_over_http_from_events_over_zmq() -> None:
                 "best": "a",
                 "url": "http://a:8000",
             }
+            # the hashes to forward with the request: the best replica's engine's
+            _, forward = post(
+                running.url + "/score", {"prompt_token_ids": prompt, "return_block_hashes": True}
+            )
+            assert forward["block_hashes"] == [h.hex() for h in hashes]
             # a cache salt keys the blocks apart: nothing cached for a salted prompt
             _, salted = post(
                 running.url + "/score", {"prompt_token_ids": prompt, "cache_salt": "s"}

@@ -26,7 +26,10 @@ Endpoints (JSON in, JSON out):
 - ``POST /score`` with ``{"prompt_token_ids": [...]}`` and optionally ``cache_salt``,
   ``lora_name`` with ``lora_path`` (vLLM's ``LoRARequest`` fields, which vLLM hashes) and
   ``medium`` (``"GPU"``, or ``"CPU"`` for the offloading tier): ``{"scores": {name: tokens
-  or null}, "best": name or null, "url": the best replica's url or null}``;
+  or null}, "best": name or null, "url": the best replica's url or null}``; with
+  ``"return_block_hashes": true`` also ``block_hashes``, the prompt's block hashes (hex) as
+  the best replica's engine computes them, for the router to forward with the request
+  (vLLM 0.34's ``EngineCoreRequest.block_hashes``);
 - ``GET /replicas``: per replica its url, blocks held and feed state (last sequence number,
   batches replayed, resyncs, restarts, malformed messages), and the index's counts;
 - ``GET /health``: ``{"status": "ok"}``.
@@ -222,7 +225,15 @@ class RouteService:
         """The answer to ``POST /score`` (ValueError or TypeError for a bad body)."""
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
-        unknown = set(body) - {"prompt_token_ids", "cache_salt", "lora_name", "lora_path", "medium"}
+        fields = {
+            "prompt_token_ids",
+            "cache_salt",
+            "lora_name",
+            "lora_path",
+            "medium",
+            "return_block_hashes",
+        }
+        unknown = set(body) - fields
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
         prompt = body.get("prompt_token_ids")
@@ -241,11 +252,17 @@ class RouteService:
         if not isinstance(medium, str):
             raise ValueError(f"medium must be a string, got {medium!r}")
         with self._lock:
-            scores = self.index.score(prompt, lora_request=lora, cache_salt=salt, medium=medium)
-        known = [(tokens, -i, name) for i, (name, tokens) in enumerate(scores.items())]
-        best = max((k for k in known if k[0] is not None), default=None)
-        name = best[2] if best else None
-        return {"scores": scores, "best": name, "url": self.urls.get(name) if name else None}
+            route = self.index.route(prompt, lora_request=lora, cache_salt=salt, medium=medium)
+        name = route.replica
+        answer: dict[str, Any] = {
+            "scores": route.scores,
+            "best": name,
+            "url": self.urls.get(name) if name else None,
+        }
+        if body.get("return_block_hashes"):
+            hashes = route.block_hashes
+            answer["block_hashes"] = None if hashes is None else [h.hex() for h in hashes]
+        return answer
 
     def replicas(self) -> dict[str, Any]:
         """The answer to ``GET /replicas``."""

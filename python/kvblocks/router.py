@@ -37,7 +37,7 @@ from typing import Any
 from kvblocks._core import RouterIndex
 from kvblocks.vllm.frontend import PromptBlockHasher
 
-__all__ = ["GPU", "ReplicaFeed", "ReplicaLayout", "RoutingIndex"]
+__all__ = ["GPU", "ReplicaFeed", "ReplicaLayout", "Route", "RoutingIndex"]
 
 #: vLLM's medium of the device cache (``vllm.distributed.kv_events.MEDIUM_GPU``); events
 #: without a medium are the device's.
@@ -228,6 +228,44 @@ class RoutingIndex:
         """For each replica, the prompt tokens its scheduler would find cached in ``medium``
         (see the module's documentation), or None where kvblocks cannot reproduce that
         replica's rule for this prompt."""
+        scores, _ = self._score(prompt_token_ids, lora_request, cache_salt, mm_features, medium)
+        return scores
+
+    def best(self, prompt_token_ids: Sequence[int] | Any, **request: Any) -> str | None:
+        """The replica with the most cached prefix tokens (the first registered on a tie),
+        or None with no replica whose hit kvblocks can reproduce."""
+        return _best(self.score(prompt_token_ids, **request))
+
+    def route(
+        self,
+        prompt_token_ids: Sequence[int] | Any,
+        *,
+        lora_request: Any = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[Any] | None = None,
+        medium: str = GPU,
+    ) -> Route:
+        """:meth:`best` and :meth:`score` at once, with the prompt's block hashes as the chosen
+        replica's engine computes them: a router forwards them with the request (vLLM 0.34's
+        ``EngineCoreRequest.block_hashes``), so that the replica does not hash the prompt
+        again. The prompt is hashed once per hash configuration in the fleet."""
+        scores, hashes = self._score(
+            prompt_token_ids, lora_request, cache_salt, mm_features, medium
+        )
+        name = _best(scores)
+        block_hashes = None
+        if name is not None:
+            block_hashes = hashes.get(self._replicas[name].config)
+        return Route(name, scores, block_hashes)
+
+    def _score(
+        self,
+        prompt_token_ids: Sequence[int] | Any,
+        lora_request: Any,
+        cache_salt: str | None,
+        mm_features: Sequence[Any] | None,
+        medium: str,
+    ) -> tuple[dict[str, int | None], dict[tuple[Any, ...], list[bytes] | None]]:
         num_tokens = len(prompt_token_ids)
         medium_id = self._media.get(medium)
         scores: dict[str, int | None] = {}
@@ -263,18 +301,26 @@ class RoutingIndex:
                 found = prefixes[key, group][replica.id]
                 blocks = found if blocks is None else min(blocks, found)
             scores[name] = (blocks or 0) * replica.hash_block_size
-        return scores
+        return scores, hashes_by_config
 
-    def best(self, prompt_token_ids: Sequence[int] | Any, **request: Any) -> str | None:
-        """The replica with the most cached prefix tokens (the first registered on a tie),
-        or None with no replica whose hit kvblocks can reproduce."""
-        scores = self.score(prompt_token_ids, **request)
-        known = [
-            (tokens, -i, name)
-            for i, (name, tokens) in enumerate(scores.items())
-            if tokens is not None
-        ]
-        return max(known)[2] if known else None
+
+@dataclass(frozen=True)
+class Route:
+    """:meth:`RoutingIndex.route`'s answer: the replica to send the request to (None when
+    no replica's hit can be reproduced), every replica's score, and the prompt's block hashes
+    as that replica's engine computes them (None where it has no reproducible hashes)."""
+
+    replica: str | None
+    scores: dict[str, int | None]
+    block_hashes: list[bytes] | None
+
+
+def _best(scores: dict[str, int | None]) -> str | None:
+    """The replica with the most tokens, the first on a tie; None if none is known."""
+    known = [
+        (tokens, -i, name) for i, (name, tokens) in enumerate(scores.items()) if tokens is not None
+    ]
+    return max(known)[2] if known else None
 
 
 # -- vLLM's event stream ------------------------------------------------------------------

@@ -43,7 +43,15 @@ spec = SchedulerSpec(block_size=16, num_blocks=int(sys.argv[3]), hash_algo="sha2
                      kv_events=True, max_num_seqs=4)
 scheduler = make_scheduler(tiny_model_dir := __import__("tests.vllm_driver",
                            fromlist=["tiny_model_dir"]).tiny_model_dir(), spec)
-hasher = block_hasher("sha256", 16)
+class CountingHasher:  # counts the blocks the replica's own request hasher hashes
+    def __init__(self, inner):
+        self.inner, self.blocks = inner, 0
+    def __call__(self, request):
+        hashes = self.inner(request)
+        self.blocks += len(hashes)
+        return hashes
+
+hasher = CountingHasher(block_hasher("sha256", 16))
 publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}",
                               replay_endpoint=f"tcp://*:{replay_port}", buffer_steps=10_000)
 
@@ -64,14 +72,23 @@ for line in sys.stdin:
     command = json.loads(line)
     if command["op"] == "run":
         lora = command["lora"]
+        # hashes a frontend or router forwarded (vLLM 0.34's EngineCoreRequest.block_hashes)
+        forwarded = command.get("hashes")
+        extra = {} if forwarded is None else {
+            "block_hashes": [bytes.fromhex(h) for h in forwarded]}
+        before = hasher.blocks
         request = make_request(
             command["id"], command["prompt"], hasher, max_tokens=command["max_tokens"],
             lora_request=LoRARequest(f"adapter-{lora}", lora, "/lora") if lora else None,
-            cache_salt=command["salt"])
+            cache_salt=command["salt"], **extra)
+        hashed_at_arrival = hasher.blocks - before
         records = run(scheduler, [(0, request)], publisher=counting)
         hit = next(c for rec in records[:-1] if rec[0] is not None
                    for rid, _, c in rec[0][1] if rid == command["id"])
-        print(json.dumps({"hit": hit, "seq": counting.count - 1}), flush=True)
+        print(json.dumps({
+            "hit": hit, "seq": counting.count - 1, "hashed_at_arrival": hashed_at_arrival,
+            "block_hashes": [bytes(h).hex() for h in request.block_hashes],
+            "outputs": list(request.output_token_ids)}), flush=True)
     elif command["op"] == "reset":
         assert scheduler.reset_prefix_cache()
         events = scheduler.kv_cache_manager.take_events()
@@ -312,3 +329,57 @@ def test_kvblocks_route_over_http_routes_real_replicas(fleet: Any) -> None:
     assert min(routed.values()) > 0, routed
     assert found > 0
     assert hits > 0
+
+
+def test_forwarded_hashes_skip_the_replicas_hashing(fleet: Any) -> None:
+    """Hash once: the router's hashes of a routed prompt (``RoutingIndex.route``) are the ones
+    the chosen replica would compute, so a router forwards them (vLLM 0.34's
+    ``EngineCoreRequest.block_hashes``) and the replica's own hasher hashes none of the
+    prompt's blocks. Each routed replica has a twin that gets the same requests without the
+    hashes and hashes them itself: same hashes, same hits (the predicted ones), same
+    outputs."""
+    import inspect
+
+    from vllm.v1.request import Request
+
+    if "block_hashes" not in inspect.signature(Request.__init__).parameters:
+        pytest.skip("vLLM 0.33 takes no frontend block hashes (0.34's EngineCoreRequest's)")
+    replicas, feeds = fleet
+    index = RoutingIndex()
+    for _ in range(4):  # r0, r1 routed (forwarded hashes); r2, r3 their twins
+        replicas.append(Replica(num_blocks=64))
+    for i in range(2):
+        index.add_replica(f"r{i}", config(replicas[i].none_hash))
+        feeds.append(
+            ReplicaFeed(
+                index,
+                f"r{i}",
+                replicas[i].endpoint(),
+                replay_endpoint=replicas[i].replay_endpoint(),
+            )
+        )
+    time.sleep(0.5)  # the SUB sockets' subscriptions reach the publishers
+    skipped = 0
+    for i, command in enumerate(trace(17, 24)):
+        if command["lora"]:
+            command["lora"] = None  # LoRA hashing is checked by test_router.py
+        route = index.route(command["prompt"], cache_salt=command["salt"])
+        assert route.replica is not None
+        # mostly the best replica, every fourth request the other way (the replicas hash alike:
+        # the route's hashes are every replica's)
+        target = int(route.replica[1:]) if i % 4 else i % 2
+        name = f"r{target}"
+        hashes = route.block_hashes
+        assert hashes is not None
+        forwarded = replicas[target].ask({**command, "hashes": [h.hex() for h in hashes]})
+        own = replicas[target + 2].ask(command)
+        assert forwarded["hashed_at_arrival"] == 0, (i, forwarded)
+        assert own["hashed_at_arrival"] == len(command["prompt"]) // 16
+        assert forwarded["block_hashes"] == own["block_hashes"]
+        assert forwarded["block_hashes"][: len(hashes)] == [h.hex() for h in hashes]
+        assert forwarded["outputs"] == own["outputs"]
+        assert forwarded["hit"] == own["hit"] == route.scores[name], (i, name, route)
+        skipped += len(hashes)
+        catch_up(feeds[target], forwarded["seq"])
+    # Not vacuous: prompt blocks were forwarded, and some hits found.
+    assert skipped > 50
