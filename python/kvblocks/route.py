@@ -54,9 +54,6 @@ from kvblocks.router import GPU, ReplicaFeed, ReplicaLayout, RoutingIndex
 
 __all__ = ["Fleet", "ReplicaSpec", "RouteService", "Running", "load_fleet", "serve"]
 
-#: The seed vLLM derives a SHA-256 engine's NONE_HASH from when ``PYTHONHASHSEED`` is unset
-#: (vLLM's ``DEFAULT_NONE_HASH_SEED``).
-DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 #: The most bytes a request body may have (a 2,000-token prompt is about 12 kB of JSON).
 MAX_BODY = 16 << 20
 
@@ -125,16 +122,14 @@ def _replica_spec(entry: Any, where: str) -> ReplicaSpec:
             none_hash = bytes.fromhex(text)
         except ValueError:
             raise ValueError(f"{where}: none_hash must be hex, got {text!r}") from None
-    elif "hash_seed" in entry:
-        seed = _str_field(entry, "hash_seed", where)
-        none_hash = BlockHasher(algo, seed=seed).none_hash
-    elif algo.startswith("sha256"):
-        none_hash = BlockHasher(algo, seed=DEFAULT_NONE_HASH_SEED).none_hash
     else:
-        raise ValueError(
-            f"{where}: a {algo} engine draws its NONE_HASH at random unless PYTHONHASHSEED is "
-            "set: give its hash_seed (or none_hash)"
-        )
+        seed = BlockHasher.engine_seed(algo, _str_field(entry, "hash_seed", where))
+        if seed is None:
+            raise ValueError(
+                f"{where}: a {algo} engine draws its NONE_HASH at random unless PYTHONHASHSEED "
+                "is set: give its hash_seed (or none_hash)"
+            )
+        none_hash = BlockHasher(algo, seed=seed).none_hash
     config = SimpleNamespace(
         hash_algo=algo,
         hash_block_size=block,
@@ -197,6 +192,15 @@ class RouteService:
         except BaseException:
             self.close()
             raise
+        # One poller over every feed's socket: poll() waits on all of them at once.
+        self._poller: Any = None
+        self._by_socket = {feed.socket: feed for feed in self.feeds.values()}
+        if self.feeds:
+            import zmq
+
+            self._poller = zmq.Poller()
+            for socket in self._by_socket:
+                self._poller.register(socket, zmq.POLLIN)
 
     def close(self) -> None:
         for feed in self.feeds.values():
@@ -206,19 +210,12 @@ class RouteService:
         """Waits up to ``timeout_ms`` for any feed to receive a batch (without the lock, so
         that queries go on meanwhile), then applies what the ready feeds received; returns
         how many batches."""
-        if not self.feeds:
+        if self._poller is None:
             return 0
-        import zmq
-
-        poller = zmq.Poller()
-        by_socket = {}
-        for feed in self.feeds.values():
-            poller.register(feed.socket, zmq.POLLIN)
-            by_socket[feed.socket] = feed
         applied = 0
-        for socket, _ in poller.poll(timeout_ms):
+        for socket, _ in self._poller.poll(timeout_ms):
             with self._lock:
-                applied += by_socket[socket].poll(0)
+                applied += self._by_socket[socket].poll(0)
         return applied
 
     def score(self, body: Any) -> dict[str, Any]:

@@ -216,25 +216,16 @@ class RoutingIndex:
 
     # -- scoring -------------------------------------------------------------------------
 
-    def score(
-        self,
-        prompt_token_ids: Sequence[int] | Any,
-        *,
-        lora_request: Any = None,
-        cache_salt: str | None = None,
-        mm_features: Sequence[Any] | None = None,
-        medium: str = GPU,
-    ) -> dict[str, int | None]:
+    def score(self, prompt_token_ids: Sequence[int] | Any, **request: Any) -> dict[str, int | None]:
         """For each replica, the prompt tokens its scheduler would find cached in ``medium``
         (see the module's documentation), or None where kvblocks cannot reproduce that
-        replica's rule for this prompt."""
-        scores, _ = self._score(prompt_token_ids, lora_request, cache_salt, mm_features, medium)
-        return scores
+        replica's rule for this prompt. ``request``: :meth:`route`'s keywords."""
+        return self.route(prompt_token_ids, **request).scores
 
     def best(self, prompt_token_ids: Sequence[int] | Any, **request: Any) -> str | None:
         """The replica with the most cached prefix tokens (the first registered on a tie),
         or None with no replica whose hit kvblocks can reproduce."""
-        return _best(self.score(prompt_token_ids, **request))
+        return self.route(prompt_token_ids, **request).replica
 
     def route(
         self,
@@ -248,29 +239,11 @@ class RoutingIndex:
         """:meth:`best` and :meth:`score` at once, with the prompt's block hashes as the chosen
         replica's engine computes them: a router forwards them with the request (vLLM 0.34's
         ``EngineCoreRequest.block_hashes``), so that the replica does not hash the prompt
-        again. The prompt is hashed once per hash configuration in the fleet."""
-        scores, hashes = self._score(
-            prompt_token_ids, lora_request, cache_salt, mm_features, medium
-        )
-        name = _best(scores)
-        block_hashes = None
-        if name is not None:
-            block_hashes = hashes.get(self._replicas[name].config)
-        return Route(name, scores, block_hashes)
-
-    def _score(
-        self,
-        prompt_token_ids: Sequence[int] | Any,
-        lora_request: Any,
-        cache_salt: str | None,
-        mm_features: Sequence[Any] | None,
-        medium: str,
-    ) -> tuple[dict[str, int | None], dict[tuple[Any, ...], list[bytes] | None]]:
+        again. The prompt is hashed once per hash configuration in the fleet, and the index
+        walked once per (configuration, group) for every replica."""
         num_tokens = len(prompt_token_ids)
         medium_id = self._media.get(medium)
         scores: dict[str, int | None] = {}
-        # Once per hash configuration: the prompt's hashes; once per (configuration, group):
-        # every replica's prefix (one walk of the index answers for all of them).
         hashes_by_config: dict[tuple[Any, ...], list[bytes] | None] = {}
         prefixes: dict[tuple[tuple[Any, ...], int], dict[int, int]] = {}
         for name, replica in self._replicas.items():
@@ -301,7 +274,12 @@ class RoutingIndex:
                 found = prefixes[key, group][replica.id]
                 blocks = found if blocks is None else min(blocks, found)
             scores[name] = (blocks or 0) * replica.hash_block_size
-        return scores, hashes_by_config
+        known = [
+            (tokens, -i, n) for i, (n, tokens) in enumerate(scores.items()) if tokens is not None
+        ]
+        best = max(known)[2] if known else None
+        chosen = None if best is None else hashes_by_config.get(self._replicas[best].config)
+        return Route(best, scores, chosen)
 
 
 @dataclass(frozen=True)
@@ -313,14 +291,6 @@ class Route:
     replica: str | None
     scores: dict[str, int | None]
     block_hashes: list[bytes] | None
-
-
-def _best(scores: dict[str, int | None]) -> str | None:
-    """The replica with the most tokens, the first on a tie; None if none is known."""
-    known = [
-        (tokens, -i, name) for i, (name, tokens) in enumerate(scores.items()) if tokens is not None
-    ]
-    return max(known)[2] if known else None
 
 
 # -- vLLM's event stream ------------------------------------------------------------------

@@ -28,8 +28,8 @@ pub use block_manager::{
 pub(crate) use error::try_filled;
 pub use error::{CoreError, CoreResult};
 pub use hashing::{
-    resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable, MmFeature,
-    RequestKeys, DEFAULT_SEED, HASH_ALGORITHMS,
+    known_seed, resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable,
+    MmFeature, RequestKeys, DEFAULT_SEED, HASH_ALGORITHMS,
 };
 pub use kv_cache::{
     AllocateArgs, AttentionKind, BoundaryState, CacheHit, CoordinatorConfig, GroupBlocks,

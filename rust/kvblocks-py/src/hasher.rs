@@ -6,7 +6,7 @@ use crate::keys::{extract_extra_keys, request_keys};
 use crate::sync::detach_if_large;
 use crate::tokens::{extract_token_ids, extract_token_ids_from};
 use kvblocks_core::{
-    resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable,
+    known_seed, resolve_seed, BlockHash, BlockHasher, ExtraKey, HashAlgo, HashSink, HashTable,
 };
 use numpy::{IntoPyArray, PyArray2};
 use pyo3::exceptions::PyValueError;
@@ -100,6 +100,16 @@ impl PyBlockHasher {
         let seed = resolve_seed(algo, seed, env_seed(py)?)?;
         let inner = BlockHasher::new(algo, block_size, seed)?;
         Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// The NONE_HASH seed of a vLLM engine using `algo` whose `PYTHONHASHSEED` is
+    /// `python_hash_seed`, where another process (a router, a frontend) can know it: that
+    /// value, else vLLM's fixed default for SHA-256; None for a non-cryptographic algorithm
+    /// without one (the engine draws a random secret: read its NONE_HASH off it instead).
+    #[staticmethod]
+    #[pyo3(signature = (algo, python_hash_seed = None))]
+    fn engine_seed(algo: &str, python_hash_seed: Option<String>) -> GlueResult<Option<String>> {
+        Ok(known_seed(HashAlgo::from_name(algo)?, python_hash_seed))
     }
 
     #[getter]

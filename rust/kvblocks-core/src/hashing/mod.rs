@@ -177,6 +177,14 @@ impl fmt::Debug for BlockHash {
     }
 }
 
+/// The NONE_HASH seed of a vLLM process whose `PYTHONHASHSEED` is `env_seed`, where another
+/// process (a router, a frontend) can know it: the variable verbatim, else the fixed default
+/// for SHA-256; `None` for a non-cryptographic algorithm without it (vLLM draws a random
+/// secret then).
+pub fn known_seed(algo: HashAlgo, env_seed: Option<String>) -> Option<String> {
+    env_seed.or_else(|| algo.is_cryptographic().then(|| DEFAULT_SEED.to_owned()))
+}
+
 /// Resolves the NONE_HASH seed exactly as vLLM's `init_none_hash`: an explicit seed, else
 /// `PYTHONHASHSEED` (`env_seed`, used verbatim), else the fixed default for SHA-256 and a
 /// fresh random 64-hex-digit secret for the non-cryptographic algorithms.
@@ -185,11 +193,8 @@ pub fn resolve_seed(
     explicit: Option<String>,
     env_seed: Option<String>,
 ) -> CoreResult<String> {
-    if let Some(seed) = explicit.or(env_seed) {
+    if let Some(seed) = known_seed(algo, explicit.or(env_seed)) {
         return Ok(seed);
-    }
-    if algo.is_cryptographic() {
-        return Ok(DEFAULT_SEED.to_owned());
     }
     let mut secret = [0u8; 32];
     getrandom::fill(&mut secret).map_err(|e| CoreError::Randomness(e.to_string()))?;
