@@ -50,10 +50,16 @@ def _prompt_hashes(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
 def fleet() -> dict[str, Any]:
     rng = random.Random(5)
     prefixes = [[rng.getrandbits(64) for _ in range(100)] for _ in range(40)]
-    held = {
-        r: [_prompt_hashes(rng, prefixes) for _ in range(PROMPTS_PER_REPLICA)]
-        for r in range(REPLICAS)
-    }
+    held: dict[int, list[list[int]]] = {}
+    for r in range(REPLICAS):
+        # A replica stores only the blocks it does not cache yet (vLLM hits the others): a
+        # store of a block it holds would be a second copy.
+        seen: set[int] = set()
+        held[r] = []
+        for _ in range(PROMPTS_PER_REPLICA):
+            new = [h for h in _prompt_hashes(rng, prefixes) if h not in seen]
+            seen.update(new)
+            held[r].append(new)
     indexes = {}
     for impl, cls in IMPLS.items():
         index = cls(11)
@@ -61,6 +67,7 @@ def fleet() -> dict[str, Any]:
             index.add_replica(r)
             for hashes in prompts:
                 index.store(r, hashes, 0, 0)
+        assert index.num_copied == 0
         indexes[impl] = index
     queries = [_prompt_hashes(rng, prefixes) for _ in range(2_000)]
     return {"indexes": indexes, "held": held, "queries": queries, "rng": rng}

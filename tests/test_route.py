@@ -87,6 +87,10 @@ def free_port() -> int:
         ({"hash_algo": "xxhash", "hash_seed": DROP}, "draws its NONE_HASH at random"),
         ({"colour": "red"}, "unknown fields"),
         ({"kinds": "full_attention"}, "kinds must be a list"),
+        ({"kinds": ["full_attention", "sliding_window"]}, "needs its sliding_window"),
+        ({"kinds": ["full_attention"] * 2, "lookup_sets": [[0]]}, "every group must be in one"),
+        ({"lookup_sets": [0]}, "list of lists"),
+        ({"use_eagle": 1}, "true or false"),
         ({"events": 5557}, "events must be a string"),
     ],
 )
@@ -122,7 +126,12 @@ def test_scores_over_http_from_events_over_zmq() -> None:
         "replicas": [
             *fleet_json(url="http://a:8000", events=f"tcp://127.0.0.1:{port}")["replicas"],
             *fleet_json(name="b", url="http://b:8000")["replicas"],
-            *fleet_json(name="w", kinds=["full_attention", "sliding_window"])["replicas"],
+            # a group kind kvblocks does not reproduce: scored None, never guessed
+            *fleet_json(name="w", kinds=["full_attention", "sink_full_attention"])["replicas"],
+            # a hybrid layout kvblocks reproduces: scored (it holds nothing)
+            *fleet_json(
+                name="g", kinds=["full_attention", "sliding_window"], sliding_window=32
+            )["replicas"],
         ]
     }
     prompt = list(range(100, 180))  # 5 blocks
@@ -142,7 +151,7 @@ def test_scores_over_http_from_events_over_zmq() -> None:
             status, answer = post(running.url + "/score", {"prompt_token_ids": prompt})
             assert status == 200
             assert answer == {
-                "scores": {"a": 48, "b": 0, "w": None},
+                "scores": {"a": 48, "b": 0, "w": None, "g": 0},
                 "best": "a",
                 "url": "http://a:8000",
             }
@@ -155,7 +164,7 @@ def test_scores_over_http_from_events_over_zmq() -> None:
             _, salted = post(
                 running.url + "/score", {"prompt_token_ids": prompt, "cache_salt": "s"}
             )
-            assert salted["scores"] == {"a": 0, "b": 0, "w": None}
+            assert salted["scores"] == {"a": 0, "b": 0, "w": None, "g": 0}
             # the CPU tier holds nothing
             _, cpu = post(running.url + "/score", {"prompt_token_ids": prompt, "medium": "CPU"})
             assert cpu["scores"]["a"] == 0

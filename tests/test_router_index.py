@@ -69,11 +69,39 @@ def test_rust_and_reference_agree(ops: list[tuple]) -> None:
         assert apply(ours, op) == apply(ref, op), op
         assert ours.counts() == ref.counts()
         assert ours.num_keys == ref.num_keys
+        assert ours.num_copied == ref.num_copied
         assert ours.replicas == ref.replicas
         assert [ours.held(r) for r in range(64)] == [ref.held(r) for r in range(64)]
     for h in HASHES[:8]:
         for r in range(64):
             assert ours.holds(r, h, 0, 0) == ref.holds(r, h, 0, 0)
+
+
+def test_a_block_stays_held_until_its_last_copy_is_removed() -> None:
+    """vLLM caches a block computed again in a second copy, with a BlockStored for each
+    copy and a BlockRemoved for each copy it evicts."""
+    for index in (RouterIndex(), reference.RouterIndex()):
+        index.add_replica(0)
+        index.add_replica(1)
+        block = [HASHES[0]]
+        assert index.store(0, block, 0, 0) == 1
+        assert index.store(0, [as_int(HASHES[0])], 0, 0) == 0  # a second copy, as an int
+        assert index.store(1, block, 0, 0) == 1
+        assert index.num_copied == 1
+        assert index.remove(0, block, 0, 0) == 0
+        assert index.holds(0, HASHES[0], 0, 0)
+        assert index.remove(0, block, 0, 0) == 1
+        assert not index.holds(0, HASHES[0], 0, 0)
+        assert index.holds(1, HASHES[0], 0, 0)
+        assert index.remove(0, block, 0, 0) == 0
+        counts = index.counts()
+        assert (counts["repeated_stores"], counts["repeated_removals"]) == (1, 1)
+        assert (counts["removed"], counts["unknown_removals"]) == (1, 1)
+        # a clear drops the copies with the blocks
+        index.store(1, block, 0, 0)
+        assert index.num_copied == 1
+        assert index.clear_replica(1) == 1
+        assert index.num_copied == 0
 
 
 def test_bytes_and_int_forms_are_one_block() -> None:

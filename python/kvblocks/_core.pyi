@@ -15,6 +15,7 @@ __all__ = [
     "HASH_ALGORITHMS",
     "BlockHasher",
     "BlockManager",
+    "HitRule",
     "KVCacheBlockIds",
     "KVCacheBlockView",
     "KVCacheGroup",
@@ -359,6 +360,30 @@ class KVCacheBlockView:
     def is_null(self) -> bool: ...
 
 @final
+class HitRule:
+    """A replica's prefix-hit rule for ``RouterIndex.hit_tokens``: its KV-cache groups (one
+    block size, the hash block size), the sets of groups its coordinator looks up together
+    (every group in one set; vLLM's order, full attention first) and the EAGLE block drop.
+    Refuses (``ValueError``) what ``KVCacheManager`` refuses of the same groups."""
+
+    def __new__(
+        cls,
+        groups: Sequence[KVCacheGroup],
+        /,
+        *,
+        lookup_sets: Sequence[Sequence[int]],
+        use_eagle: bool = False,
+    ) -> HitRule: ...
+    @property
+    def is_plain_prefix(self) -> bool:
+        """The hit is the longest prefix every group holds (full attention only, no EAGLE
+        drop): ``RouterIndex.prefix_blocks`` answers it for every replica at once."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_groups(self) -> int: ...
+
+@final
 class RouterIndex:
     """The cluster-wide block table of ``kvblocks.router``: for each (block hash, group,
     medium) key, the replicas (ids ``0`` to ``MAX_REPLICAS - 1``) that hold it. Block hashes
@@ -380,12 +405,29 @@ class RouterIndex:
     def prefix_blocks(
         self, hashes: Iterable[bytes | int], group: int, medium: int
     ) -> dict[int, int]: ...
+    def hit_tokens(
+        self,
+        replica: int,
+        block_hashes: list[bytes],
+        rule: HitRule,
+        medium: int,
+        max_length: int,
+        /,
+    ) -> int:
+        """The prefix tokens the replica's scheduler would find cached in ``medium`` for a
+        request whose full blocks have ``block_hashes``, in a lookup of at most
+        ``max_length`` tokens: its coordinator's search under ``rule``, over the blocks the
+        index says it holds (``KeyError``-free: an unknown replica is a ``ValueError``)."""
     def holds(self, replica: int, hash: bytes | int, group: int, medium: int) -> bool: ...
     def held(self, replica: int) -> int: ...
     @property
     def replicas(self) -> list[int]: ...
     @property
     def num_keys(self) -> int: ...
+    @property
+    def num_copied(self) -> int:
+        """(replica, block) pairs held in more than one copy (a replica caches a block twice
+        when it computes it again; each copy is stored and removed on its own)."""
     def reserve(self, keys: int) -> None: ...
     @property
     def table_bytes(self) -> int: ...

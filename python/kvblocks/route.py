@@ -18,8 +18,10 @@ is registered but nothing updates it); its engine's ``PrefixHashConfig``: ``hash
 ``none_hash`` (hex) or as the ``hash_seed`` vLLM derives it from (the engine's
 ``PYTHONHASHSEED``); with neither, a SHA-256 engine's (vLLM's fixed seed when
 ``PYTHONHASHSEED`` is unset; an xxhash engine without it draws its NONE_HASH at random, so
-that one must be given); and its KV-cache groups
-(``kinds``, default one full-attention group; ``block_size``, default the hash block size).
+that one must be given); and its KV-cache groups, as :class:`kvblocks.router.ReplicaLayout`
+takes them (``kinds``, default one full-attention group; ``block_size``, default the hash
+block size; ``sliding_window`` and ``attention_chunk_size`` where a group needs them;
+``lookup_sets``; ``use_eagle``).
 
 Endpoints (JSON in, JSON out):
 
@@ -88,6 +90,10 @@ _REPLICA_FIELDS = frozenset(
         "hash_seed",
         "kinds",
         "block_size",
+        "sliding_window",
+        "attention_chunk_size",
+        "lookup_sets",
+        "use_eagle",
     }
 )
 
@@ -139,7 +145,25 @@ def _replica_spec(entry: Any, where: str) -> ReplicaSpec:
     kinds = entry.get("kinds", ["full_attention"])
     if not isinstance(kinds, list):
         raise ValueError(f"{where}: kinds must be a list of group kinds, got {kinds!r}")
-    layout = ReplicaLayout(tuple(kinds), entry.get("block_size"))
+    sets = entry.get("lookup_sets")
+    if sets is not None and not (
+        isinstance(sets, list) and all(isinstance(s, list) for s in sets)
+    ):
+        raise ValueError(f"{where}: lookup_sets must be a list of lists of group ids")
+    if not isinstance(entry.get("use_eagle", False), bool):
+        raise ValueError(f"{where}: use_eagle must be true or false")
+    try:
+        layout = ReplicaLayout(
+            tuple(kinds),
+            entry.get("block_size"),
+            sliding_window=entry.get("sliding_window"),
+            attention_chunk_size=entry.get("attention_chunk_size"),
+            lookup_sets=None if sets is None else tuple(tuple(s) for s in sets),
+            use_eagle=entry.get("use_eagle", False),
+        )
+        layout.hit_rule(block)  # bad lookup sets fail here, naming the replica
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
     return ReplicaSpec(
         name=name,
         prefix_hash_config=config,

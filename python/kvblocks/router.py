@@ -14,17 +14,30 @@ What it reproduces, and what it refuses to guess:
 - the hit of replicas whose KV-cache groups are all full attention (one or several groups,
   MLA included) with the group block size equal to the hash block size: the longest run of
   leading blocks that every group holds, up to vLLM's limit of ``num_tokens - 1`` prompt
-  tokens (the last token is always computed);
-- a replica with a group of another kind (sliding window, chunked local attention, Mamba),
-  or a prompt its hasher cannot reproduce byte for byte (prompt embeddings, ...): ``None``
-  for that replica, never a guess.
+  tokens (the last token is always computed); walked for all such replicas at once;
+- the hit of hybrid replicas (sliding-window, chunked local attention and Mamba groups
+  beside full attention, and the EAGLE drop), described by a :class:`ReplicaLayout`: vLLM's
+  coordinator's search (each group's own rule, the groups agreeing on one length), run by
+  kvblocks' engine over the blocks the index says the replica holds;
+- a replica with a group of another kind, groups whose block size is not the hash block
+  size, or a prompt its hasher cannot reproduce byte for byte (prompt embeddings, ...):
+  ``None`` for that replica, never a guess.
 
 Index keys are the last 8 bytes of vLLM's block hash (what vLLM publishes by default as an
 int) with the group and medium: exact up to a 64-bit key collision (probability 2^-64 per
-pair of blocks). The index trusts no publisher: an event for an unknown replica raises, a
-removal of a block the replica never stored and a repeated store are counted
-(:meth:`RoutingIndex.counts`) and change nothing, and an unknown event type is counted and
+pair of blocks). A replica that caches a block in two copies (it computed the block again:
+two requests sharing a prefix at once, or a hybrid model whose full-attention hit was cut
+short by another group) publishes a store and a removal for each copy; the index keeps the
+block held until its last copy is removed. The index trusts no publisher: an event for an
+unknown replica raises, a removal of a block the replica does not hold is counted
+(:meth:`RoutingIndex.counts`) and changes nothing, and an unknown event type is counted and
 skipped.
+
+One thing the event stream cannot tell apart: a request with vLLM's
+``kv_cache_report_mode="full"`` makes its replica publish a store for every block it reuses
+from the cache, with no new copy behind it. The index counts it as a copy, so until the
+block's last removal arrives for each such report, it may predict a hit on a block the
+replica has evicted. Leave that mode off on replicas behind the index.
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvblocks._core import RouterIndex
+from kvblocks._core import HitRule, KVCacheGroup, RouterIndex
 from kvblocks.vllm.frontend import PromptBlockHasher
 
 __all__ = ["GPU", "ReplicaFeed", "ReplicaLayout", "Route", "RoutingIndex"]
@@ -42,27 +55,128 @@ __all__ = ["GPU", "ReplicaFeed", "ReplicaLayout", "Route", "RoutingIndex"]
 #: vLLM's medium of the device cache (``vllm.distributed.kv_events.MEDIUM_GPU``); events
 #: without a medium are the device's.
 GPU = "GPU"
-#: KV-cache group kinds whose hit rule is a plain longest prefix (vLLM's
-#: ``FullAttentionManager``), as ``BlockStored.kv_cache_spec_kind`` names them.
-_PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
+#: The kvblocks engine's group kind for each KV-cache group kind vLLM names in its KV events
+#: (``BlockStored.kv_cache_spec_kind``, vLLM's ``KVCacheSpecKind``) whose hit rule kvblocks
+#: reproduces (the rule of vLLM's single-type manager for it). Other kinds score None.
+_ENGINE_KINDS = {
+    "full_attention": "full",
+    "mla_attention": "full",
+    "sliding_window": "sliding_window",
+    "sliding_window_mla": "sliding_window",
+    "chunked_local_attention": "chunked_local",
+    "mamba": "mamba",
+}
 
 
 @dataclass(frozen=True)
 class ReplicaLayout:
-    """A replica's KV-cache groups, as its engine has them: one kind per group id
-    (``BlockStored.kv_cache_spec_kind``: ``full_attention``, ``mla_attention``,
-    ``sliding_window``, ``mamba``, ...) and the groups' block size."""
+    """A replica's KV-cache groups, as its engine has them: one kind per group id (vLLM's
+    ``KVCacheSpecKind`` values, as ``BlockStored.kv_cache_spec_kind`` names them:
+    ``full_attention``, ``mla_attention``, ``sliding_window``, ``sliding_window_mla``,
+    ``chunked_local_attention``, ``mamba``, ...), the groups' block size (default: the
+    replica's hash block size), the window of its sliding-window groups and the chunk of its
+    chunked-local ones, the sets of groups its coordinator looks up together (default: the
+    groups of one kind together, as vLLM's coordinator sets groups with equal specs; full
+    attention first) and whether it drops the last hit block for EAGLE (``use_eagle``).
+
+    :meth:`from_kv_cache_config` reads all of it from the replica's ``KVCacheConfig``."""
 
     kinds: tuple[str, ...] = ("full_attention",)
-    block_size: int | None = None  # default: the replica's hash block size
+    block_size: int | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    lookup_sets: tuple[tuple[int, ...], ...] | None = None
+    use_eagle: bool = False
 
     def __post_init__(self) -> None:
         if not self.kinds or not all(isinstance(k, str) for k in self.kinds):
             raise ValueError(f"kinds must name each KV-cache group, got {self.kinds!r}")
-        if self.block_size is not None and (
-            type(self.block_size) is not int or self.block_size < 1
-        ):
-            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        for name in ("block_size", "sliding_window", "attention_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        engine = {_ENGINE_KINDS.get(k) for k in self.kinds}
+        if "sliding_window" in engine and self.sliding_window is None:
+            raise ValueError("a layout with a sliding-window group needs its sliding_window")
+        if "chunked_local" in engine and self.attention_chunk_size is None:
+            raise ValueError(
+                "a layout with a chunked local attention group needs its attention_chunk_size"
+            )
+
+    @classmethod
+    def from_kv_cache_config(
+        cls, kv_cache_config: Any, *, use_eagle: bool = False
+    ) -> ReplicaLayout:
+        """The layout of a replica whose engine runs ``kv_cache_config`` (vLLM's
+        ``KVCacheConfig``, as its engine core builds it; ``use_eagle``: the engine drops the
+        last hit block for EAGLE or MTP). A group kvblocks' own KV-cache manager would not run
+        exactly (a spec kvblocks does not implement, a Mamba group outside vLLM's "align"
+        cache mode) is named ``unknown``, so that the replica scores None; so is every group
+        of a config whose groups differ in block size. Needs vllm."""
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+        from kvblocks.vllm.kv_cache_manager import _lookup_sets
+        from kvblocks.vllm.support import spec_kind
+
+        groups = kv_cache_config.kv_cache_groups
+        specs = [g.kv_cache_spec for g in groups]
+        sizes = {spec.block_size for spec in specs}
+        kinds = []
+        windows, chunks = set(), set()
+        for group, spec in zip(groups, specs, strict=True):
+            kind = spec_kind(spec, group.role)
+            if kind == "sliding_window":
+                windows.add(spec.sliding_window)
+            elif kind == "chunked_local":
+                chunks.add(spec.attention_chunk_size)
+            reproducible = (
+                len(sizes) == 1
+                and kind is not None
+                and spec.prefix_cacheable
+                and not spec.prefix_replay_tokens
+                and (kind != "mamba" or spec.mamba_cache_mode == "align")
+            )
+            kinds.append(get_kv_cache_spec_kind(spec).value if reproducible else "unknown")
+        if len(windows) > 1 or len(chunks) > 1:
+            raise ValueError(
+                f"kvblocks.router reproduces one sliding window and one attention chunk per "
+                f"replica; this config has windows {sorted(windows)} and chunks {sorted(chunks)}"
+            )
+        return cls(
+            kinds=tuple(kinds),
+            block_size=min(sizes) if sizes else None,
+            sliding_window=next(iter(windows), None),
+            attention_chunk_size=next(iter(chunks), None),
+            lookup_sets=tuple(tuple(s) for s in _lookup_sets(kv_cache_config)),
+            use_eagle=use_eagle,
+        )
+
+    def hit_rule(self, hash_block_size: int) -> HitRule | None:
+        """The engine's hit rule for this layout on ``hash_block_size``-token hashes, or None
+        where kvblocks does not reproduce it (a kind it does not know, or groups whose block
+        size is not the hash block size)."""
+        engine = [_ENGINE_KINDS.get(k, "") for k in self.kinds]
+        if (self.block_size or hash_block_size) != hash_block_size:
+            return None
+        if not all(engine):
+            return None
+        groups = [
+            KVCacheGroup(
+                kind,
+                hash_block_size,
+                sliding_window=self.sliding_window if kind == "sliding_window" else None,
+                attention_chunk_size=self.attention_chunk_size if kind == "chunked_local" else None,
+            )
+            for kind in engine
+        ]
+        if self.lookup_sets is None:
+            by_kind: dict[str, list[int]] = {}
+            for i, kind in enumerate(engine):
+                by_kind.setdefault(kind, []).append(i)
+            sets = list(by_kind.values())
+        else:
+            sets = [list(s) for s in self.lookup_sets]
+        return HitRule(groups, lookup_sets=sets, use_eagle=self.use_eagle)
 
 
 def _config_key(config: Any) -> tuple[Any, ...]:
@@ -76,7 +190,7 @@ def _config_key(config: Any) -> tuple[Any, ...]:
 
 
 class _Replica:
-    __slots__ = ("config", "exact", "hash_block_size", "hasher", "id", "kinds", "name")
+    __slots__ = ("config", "hash_block_size", "hasher", "id", "kinds", "name", "plain", "rule")
 
     def __init__(
         self, name: str, rid: int, config: Any, layout: ReplicaLayout, hasher: PromptBlockHasher
@@ -87,11 +201,10 @@ class _Replica:
         self.hasher = hasher  # shared by the replicas whose engines hash alike
         self.hash_block_size: int = config.hash_block_size
         self.kinds = layout.kinds
-        block_size = layout.block_size or self.hash_block_size
-        # Where the longest common prefix is not vLLM's hit rule, say so rather than guess.
-        self.exact = all(k in _PREFIX_KINDS for k in layout.kinds) and (
-            block_size == self.hash_block_size
-        )
+        # None where kvblocks does not reproduce the replica's rule: it then scores None.
+        self.rule = layout.hit_rule(self.hash_block_size)
+        # A plain longest prefix is walked for every such replica at once.
+        self.plain = self.rule is not None and self.rule.is_plain_prefix
 
 
 class RoutingIndex:
@@ -191,8 +304,10 @@ class RoutingIndex:
                 self._skipped_events += 1
 
     def counts(self) -> dict[str, int]:
-        """What the index applied and refused: blocks ``stored``, ``removed``, ``cleared``;
-        ``repeated_stores`` and ``unknown_removals`` (changed nothing); ``skipped_events``."""
+        """What the index applied and refused: blocks ``stored`` (first copies), ``removed``
+        (last copies), ``cleared``; ``repeated_stores`` and ``repeated_removals`` (further
+        copies of a block the replica holds); ``unknown_removals`` (of blocks it did not hold:
+        changed nothing); ``skipped_events``."""
         counts: dict[str, int] = self._core.counts()
         counts["skipped_events"] = self._skipped_events
         return counts
@@ -246,8 +361,10 @@ class RoutingIndex:
         scores: dict[str, int | None] = {}
         hashes_by_config: dict[tuple[Any, ...], list[bytes] | None] = {}
         prefixes: dict[tuple[tuple[Any, ...], int], dict[int, int]] = {}
+        # vLLM looks up at most num_tokens - 1 tokens: the last is always computed.
+        max_length = max(num_tokens - 1, 0)
         for name, replica in self._replicas.items():
-            if not replica.exact:
+            if replica.rule is None:
                 scores[name] = None
                 continue
             key = replica.config
@@ -265,11 +382,17 @@ class RoutingIndex:
             if medium_id is None:
                 scores[name] = 0
                 continue
+            if not replica.plain:
+                # A sliding-window, chunked-local or Mamba group (or the EAGLE drop): the
+                # replica's coordinator's own search, over the blocks it holds.
+                scores[name] = self._core.hit_tokens(
+                    replica.id, hashes, replica.rule, medium_id, max_length
+                )
+                continue
             blocks = None
             for group in range(len(replica.kinds)):
                 if (key, group) not in prefixes:
-                    # vLLM looks up at most num_tokens - 1 tokens: the last is always computed.
-                    usable = hashes[: max(num_tokens - 1, 0) // replica.hash_block_size]
+                    usable = hashes[: max_length // replica.hash_block_size]
                     prefixes[key, group] = self._core.prefix_blocks(usable, group, medium_id)
                 found = prefixes[key, group][replica.id]
                 blocks = found if blocks is None else min(blocks, found)

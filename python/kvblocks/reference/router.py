@@ -43,8 +43,18 @@ class RouterIndex:
         self._table: dict[int, int] = {}
         self._live = 0
         self._held = [0] * MAX_REPLICAS
+        # (key, replica) -> copies of the block beyond the first
+        self._copies: dict[tuple[int, int], int] = {}
         self._counts = dict.fromkeys(
-            ("stored", "removed", "repeated_stores", "unknown_removals", "cleared"), 0
+            (
+                "stored",
+                "removed",
+                "repeated_stores",
+                "repeated_removals",
+                "unknown_removals",
+                "cleared",
+            ),
+            0,
         )
 
     def _bit(self, replica: int, *, live: bool = True) -> int:
@@ -72,6 +82,7 @@ class RouterIndex:
                 else:
                     del self._table[key]
         self._held[replica] = 0
+        self._copies = {k: n for k, n in self._copies.items() if k[1] != replica}
         self._counts["cleared"] += dropped
         return dropped
 
@@ -90,6 +101,8 @@ class RouterIndex:
             if not holders & bit:
                 table[key] = holders | bit
                 new += 1
+            else:
+                self._copies[key, replica] = self._copies.get((key, replica), 0) + 1
         self._held[replica] += new
         self._counts["stored"] += new
         self._counts["repeated_stores"] += len(keys) - new
@@ -98,11 +111,18 @@ class RouterIndex:
     def remove(self, replica: int, hashes: Iterable[bytes | int], group: int, medium: int) -> int:
         bit = self._bit(replica)
         keys = [block_key(h, group, medium) for h in hashes]
-        gone = 0
+        gone = copies = 0
         table = self._table
         for key in keys:
+            extra = self._copies.get((key, replica), 0)
             holders = table.get(key, 0)
-            if holders & bit:
+            if extra:
+                copies += 1
+                if extra > 1:
+                    self._copies[key, replica] = extra - 1
+                else:
+                    del self._copies[key, replica]
+            elif holders & bit:
                 gone += 1
                 if holders & ~bit:
                     table[key] = holders & ~bit
@@ -110,7 +130,8 @@ class RouterIndex:
                     del table[key]
         self._held[replica] -= gone
         self._counts["removed"] += gone
-        self._counts["unknown_removals"] += len(keys) - gone
+        self._counts["repeated_removals"] += copies
+        self._counts["unknown_removals"] += len(keys) - gone - copies
         return gone
 
     def prefix_blocks(
@@ -149,6 +170,10 @@ class RouterIndex:
     @property
     def num_keys(self) -> int:
         return len(self._table)
+
+    @property
+    def num_copied(self) -> int:
+        return len(self._copies)
 
     def reserve(self, keys: int) -> None:
         """A dict sizes itself: only the argument is checked, as the native index checks it."""

@@ -33,8 +33,8 @@ pub use hashing::{
 };
 pub use kv_cache::{
     AllocateArgs, AttentionKind, BoundaryState, CacheHit, CoordinatorConfig, GroupBlocks,
-    GroupSpec, HashSource, KvCacheCoordinator, KvCacheManager, ManagerEvent, RequestBlocks,
-    RequestState,
+    GroupSpec, HashSource, HitRule, KvCacheCoordinator, KvCacheManager, ManagerEvent,
+    RequestBlocks, RequestState,
 };
 pub use requests::RequestRef;
 pub use router::{block_key, int_block_key, RouterCounts, RouterIndex, MAX_REPLICAS};

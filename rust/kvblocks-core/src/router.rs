@@ -13,12 +13,23 @@
 //! full ([`crate::router_table`]). Two different blocks share a key with probability 2^-64 per pair (for ten
 //! million blocks, about 3 in a million that any pair does): the index is exact up to that.
 //!
-//! Nothing here trusts a publisher: a removal of a block the replica never stored is counted
-//! and dropped, a repeated store is counted and changes nothing, and every call either
-//! applies in full or refuses (an unknown replica) without changing the index.
+//! A replica may cache one block in several copies: vLLM registers a block computed again
+//! (two requests computing a shared prefix at once, or a hybrid model recomputing blocks its
+//! full-attention group had cached because another group's hit was shorter) under its hash
+//! beside the first, publishes a `BlockStored` for each copy and a `BlockRemoved` for each
+//! copy it evicts. The index counts the copies beyond the first per (replica, key), in a
+//! side table that holds only such keys, so the block stays held until its last copy goes.
+//!
+//! Nothing here trusts a publisher: a removal of a block the replica does not hold is counted
+//! and dropped, and every call either applies in full or refuses (an unknown replica) without
+//! changing the index.
 
+use crate::hashing::BlockHash;
+use crate::kv_cache::{CachedBlocks, HitRule};
+use crate::pool::CacheKey;
 use crate::router_table::{mix, HolderTable};
 use crate::{CoreError, CoreResult};
+use std::collections::HashMap;
 
 /// The most replicas one index tracks (one bit each).
 pub const MAX_REPLICAS: usize = 64;
@@ -44,10 +55,12 @@ pub fn int_block_key(value: u64, group: u32, medium: u32) -> u64 {
 pub struct RouterCounts {
     /// Blocks a replica stored that it did not hold yet.
     pub stored: u64,
-    /// Blocks a replica removed that it held.
+    /// Blocks a replica removed the last copy of.
     pub removed: u64,
-    /// Stores of a block the replica already held (changed nothing).
+    /// Stores of a block the replica already held: another copy of it.
     pub repeated_stores: u64,
+    /// Removals of one of several copies of a block (the block stays held).
+    pub repeated_removals: u64,
     /// Removals of a block the replica did not hold (changed nothing).
     pub unknown_removals: u64,
     /// Blocks dropped by a replica's clear or removal.
@@ -61,6 +74,9 @@ pub struct RouterIndex {
     live: u64,
     /// Blocks each replica holds.
     held: [u64; MAX_REPLICAS],
+    /// Per (key, replica) holding more than one copy of the block: the copies beyond the
+    /// first.
+    copies: HashMap<(u64, u8), u32>,
     counts: RouterCounts,
 }
 
@@ -83,6 +99,7 @@ impl RouterIndex {
             table: HolderTable::new(mix(seed)),
             live: 0,
             held: [0; MAX_REPLICAS],
+            copies: HashMap::new(),
             counts: RouterCounts::default(),
         }
     }
@@ -115,6 +132,7 @@ impl RouterIndex {
         if dropped > 0 {
             self.table.remove_bit_everywhere(b);
         }
+        self.copies.retain(|&(_, r), _| usize::from(r) != replica);
         if let Some(held) = self.held.get_mut(replica) {
             *held = 0;
         }
@@ -129,13 +147,18 @@ impl RouterIndex {
         Ok(dropped)
     }
 
-    /// `replica` now holds the blocks of `keys` ([`block_key`]); returns how many it did not
-    /// hold before.
+    /// `replica` now holds (another copy of) each block of `keys` ([`block_key`]); returns
+    /// how many it did not hold before.
     pub fn store(&mut self, replica: usize, keys: &[u64]) -> CoreResult<u64> {
         let b = self.live_bit(replica)?;
         let mut new = 0;
         for &key in keys {
-            new += u64::from(self.table.insert_bit(key, b));
+            if self.table.insert_bit(key, b) {
+                new += 1;
+            } else {
+                // `replica` < MAX_REPLICAS (64): it fits a byte.
+                *self.copies.entry((key, replica as u8)).or_insert(0) += 1;
+            }
         }
         if let Some(held) = self.held.get_mut(replica) {
             *held += new;
@@ -145,18 +168,29 @@ impl RouterIndex {
         Ok(new)
     }
 
-    /// `replica` no longer holds the blocks of `keys`; returns how many it held.
+    /// `replica` dropped a copy of each block of `keys`; returns how many blocks it no longer
+    /// holds (their last copy gone).
     pub fn remove(&mut self, replica: usize, keys: &[u64]) -> CoreResult<u64> {
         let b = self.live_bit(replica)?;
-        let mut gone = 0;
+        let (mut gone, mut copies) = (0, 0);
         for &key in keys {
-            gone += u64::from(self.table.remove_bit(key, b));
+            let slot = (key, replica as u8);
+            if let Some(extra) = self.copies.get_mut(&slot) {
+                *extra -= 1;
+                if *extra == 0 {
+                    self.copies.remove(&slot);
+                }
+                copies += 1;
+            } else {
+                gone += u64::from(self.table.remove_bit(key, b));
+            }
         }
         if let Some(held) = self.held.get_mut(replica) {
             *held -= gone;
         }
         self.counts.removed += gone;
-        self.counts.unknown_removals += keys.len() as u64 - gone;
+        self.counts.repeated_removals += copies;
+        self.counts.unknown_removals += keys.len() as u64 - gone - copies;
         Ok(gone)
     }
 
@@ -190,6 +224,24 @@ impl RouterIndex {
         }
     }
 
+    /// The prefix tokens `replica`'s scheduler would find cached in `medium` for a request
+    /// whose full blocks have `hashes`, in a lookup of at most `max_length` tokens: its
+    /// layout's hit `rule` (vLLM's coordinator's, for every kind of group) searched over the
+    /// blocks the replica holds. The plain-prefix layouts have [`Self::prefix_blocks`], for
+    /// every replica at once.
+    pub fn hit_tokens(
+        &self,
+        replica: usize,
+        medium: u32,
+        rule: &HitRule,
+        hashes: &[BlockHash],
+        max_length: usize,
+    ) -> CoreResult<usize> {
+        let bit = self.live_bit(replica)?;
+        let held = HeldBy { table: &self.table, bit, medium };
+        Ok(rule.hit_tokens(&held, hashes, max_length))
+    }
+
     /// Whether `replica` holds the block of `key`.
     pub fn holds(&self, replica: usize, key: u64) -> bool {
         bit(replica).is_ok_and(|b| self.table.get(key) & b != 0)
@@ -215,6 +267,11 @@ impl RouterIndex {
         self.table.bytes()
     }
 
+    /// (replica, block) pairs held in more than one copy.
+    pub fn num_copied(&self) -> usize {
+        self.copies.len()
+    }
+
     /// Makes room for `keys` distinct keys in all, so that the table does not grow (and
     /// briefly hold twice its size) until it holds more: a router sized for its fleet's
     /// pools reserves their total.
@@ -224,6 +281,28 @@ impl RouterIndex {
 
     pub fn counts(&self) -> RouterCounts {
         self.counts
+    }
+}
+
+/// What one replica holds in one medium, read as a hit search reads a block pool: a held
+/// block is [`HELD`] (a search only counts the blocks of a hit).
+struct HeldBy<'a> {
+    table: &'a HolderTable,
+    bit: u64,
+    medium: u32,
+}
+
+/// The block a [`HeldBy`] view gives for every block its replica holds.
+const HELD: [u32; 1] = [1];
+
+impl CachedBlocks for HeldBy<'_> {
+    fn cached_blocks(&self, key: &CacheKey) -> &[u32] {
+        let key = block_key(key.hash.as_bytes(), key.group, self.medium);
+        if self.table.get(key) & self.bit != 0 {
+            &HELD
+        } else {
+            &[]
+        }
     }
 }
 
@@ -264,6 +343,17 @@ mod tests {
         assert_eq!(index.store(3, &k)?, 0);
         let counts = index.counts();
         assert_eq!((counts.unknown_removals, counts.repeated_stores, counts.stored), (4, 4, 4));
+        // Each block is held twice now: one removal leaves it held, the second drops it.
+        let first = k.get(..1).unwrap_or_default();
+        let key = first.first().copied().unwrap_or_default();
+        assert_eq!(index.remove(3, first)?, 0);
+        assert!(index.holds(3, key));
+        assert_eq!(index.remove(3, first)?, 1);
+        assert!(!index.holds(3, key));
+        assert_eq!(index.remove(3, first)?, 0);
+        let counts = index.counts();
+        assert_eq!((counts.repeated_removals, counts.removed, counts.unknown_removals), (1, 1, 5));
+        assert_eq!(index.store(3, first)?, 1);
         assert!(index.store(4, &k).is_err());
         assert!(index.add_replica(3).is_err());
         assert!(index.add_replica(MAX_REPLICAS).is_err());
@@ -284,6 +374,44 @@ mod tests {
         assert_eq!(index.remove_replica(1)?, 3);
         assert_eq!(index.num_keys(), 0);
         assert!(index.store(1, &k).is_err());
+        Ok(())
+    }
+
+    /// A replica with a full-attention group 0 and a group 1 of `kind` (4-token blocks).
+    fn hybrid(kind: crate::AttentionKind) -> CoreResult<HitRule> {
+        use crate::GroupSpec;
+        let second = GroupSpec { kind, ..GroupSpec::full(4) };
+        HitRule::new(vec![GroupSpec::full(4), second], vec![vec![0], vec![1]], false)
+    }
+
+    #[test]
+    fn hybrid_hits_follow_each_groups_rule() -> CoreResult<()> {
+        use crate::AttentionKind;
+        let hashes: Vec<BlockHash> = (0u8..6).map(|i| BlockHash::Sha256([i; 32])).collect();
+        let key =
+            |i: usize, group: u32| hashes.get(i).map_or(0, |h| block_key(h.as_bytes(), group, 0));
+        let mut index = RouterIndex::new(3);
+        index.add_replica(0)?;
+        index.store(0, &(0..6).map(|i| key(i, 0)).collect::<Vec<_>>())?;
+        // A 9-token window reads two 4-token blocks: group 1 has blocks 0, 1, 3 and 4.
+        let window = hybrid(AttentionKind::SlidingWindow { window: 9, extra_retained: 0 })?;
+        index.store(0, &[0, 1, 3, 4].map(|i| key(i, 1)))?;
+        // 23 tokens looked up (the last of 24 is computed): 5 blocks, the window ending there.
+        assert_eq!(index.hit_tokens(0, 0, &window, &hashes, 23)?, 20);
+        index.remove(0, &[key(4, 1)])?;
+        // Blocks 3 alone is no window: the run from block 0 is the hit.
+        assert_eq!(index.hit_tokens(0, 0, &window, &hashes, 23)?, 8);
+        // In another medium the replica holds nothing.
+        assert_eq!(index.hit_tokens(0, 1, &window, &hashes, 23)?, 0);
+        // A Mamba state is complete in itself: the latest one held, here after block 3.
+        let mamba =
+            hybrid(AttentionKind::Mamba { speculative_blocks: 0, checkpoint_alignment: None })?;
+        assert_eq!(index.hit_tokens(0, 0, &mamba, &hashes, 23)?, 16);
+        // ... bounded by full attention's prefix.
+        index.remove(0, &[key(2, 0)])?;
+        assert_eq!(index.hit_tokens(0, 0, &mamba, &hashes, 23)?, 8);
+        assert!(!mamba.is_plain_prefix());
+        assert!(index.hit_tokens(1, 0, &mamba, &hashes, 23).is_err());
         Ok(())
     }
 

@@ -22,7 +22,7 @@ use std::sync::{Mutex, MutexGuard};
 #[pyclass(frozen, from_py_object, module = "kvblocks._core", name = "KVCacheGroup")]
 #[derive(Clone)]
 pub struct PyKvCacheGroup {
-    spec: GroupSpec,
+    pub(crate) spec: GroupSpec,
 }
 
 #[pymethods]
@@ -255,7 +255,7 @@ impl PyKvCacheBlockIds {
 }
 
 /// A request's `block_hashes`: a list of `bytes`, read item by item.
-struct ListHashes<'a, 'py>(&'a Bound<'py, PyList>);
+pub(crate) struct ListHashes<'a, 'py>(&'a Bound<'py, PyList>);
 
 impl HashSource for ListHashes<'_, '_> {
     fn len(&self) -> usize {
@@ -273,7 +273,7 @@ impl HashSource for ListHashes<'_, '_> {
     }
 }
 
-fn hashes_arg<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<ListHashes<'a, 'py>> {
+pub(crate) fn hashes_arg<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> PyResult<ListHashes<'a, 'py>> {
     obj.cast::<PyList>().map(ListHashes).map_err(|_| {
         PyTypeError::new_err(format!("block_hashes must be a list, got {}", type_name(obj)))
     })

@@ -50,5 +50,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv_cache::PyKvCacheBlockView>()?;
     m.add_class::<kv_cache::PyKvCacheGroup>()?;
     m.add_class::<router::PyRouterIndex>()?;
+    m.add_class::<router::PyHitRule>()?;
     Ok(())
 }

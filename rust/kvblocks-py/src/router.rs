@@ -1,13 +1,54 @@
 //! `kvblocks._core.RouterIndex`: the cluster-wide block table of `kvblocks.router`.
 
 use crate::errors::GlueResult;
+use crate::kv_cache::{hashes_arg, PyKvCacheGroup};
 use crate::sync::lock_attached;
 use crate::tokens::exact_ints;
-use kvblocks_core::{block_key, int_block_key, RouterIndex, MAX_REPLICAS};
+use kvblocks_core::{
+    block_key, int_block_key, BlockHash, CoreResult, HashSource, HitRule, RouterIndex, MAX_REPLICAS,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList};
 use std::sync::Mutex;
+
+/// A replica's prefix-hit rule: its KV-cache groups and the sets they are looked up in, as
+/// its engine's coordinator has them (see `kvblocks.router.ReplicaLayout`).
+#[pyclass(frozen, module = "kvblocks._core", name = "HitRule")]
+pub struct PyHitRule {
+    rule: HitRule,
+}
+
+#[pymethods]
+impl PyHitRule {
+    #[new]
+    #[pyo3(signature = (groups, /, *, lookup_sets, use_eagle = false))]
+    fn new(
+        groups: Vec<PyKvCacheGroup>,
+        lookup_sets: Vec<Vec<usize>>,
+        use_eagle: bool,
+    ) -> GlueResult<Self> {
+        let groups = groups.into_iter().map(|g| g.spec).collect();
+        Ok(Self { rule: HitRule::new(groups, lookup_sets, use_eagle)? })
+    }
+
+    /// Whether the hit is the longest prefix every group holds (full attention only, no
+    /// EAGLE drop): `RouterIndex.prefix_blocks` answers it for every replica at once.
+    #[getter]
+    fn is_plain_prefix(&self) -> bool {
+        self.rule.is_plain_prefix()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.rule.block_size()
+    }
+
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.rule.num_groups()
+    }
+}
 
 #[pyclass(frozen, module = "kvblocks._core", name = "RouterIndex")]
 pub struct PyRouterIndex {
@@ -130,6 +171,26 @@ impl PyRouterIndex {
         Ok(result)
     }
 
+    /// The prefix tokens `replica`'s scheduler would find cached in `medium` for a request
+    /// with `block_hashes` (a list of `bytes`, every full block's), in a lookup of at most
+    /// `max_length` tokens, under its layout's `rule`.
+    #[pyo3(signature = (replica, block_hashes, rule, medium, max_length, /))]
+    fn hit_tokens(
+        &self,
+        py: Python<'_>,
+        replica: usize,
+        block_hashes: &Bound<'_, PyAny>,
+        rule: &PyHitRule,
+        medium: u32,
+        max_length: usize,
+    ) -> GlueResult<usize> {
+        let source = hashes_arg(block_hashes)?;
+        let hashes =
+            (0..source.len()).map(|i| source.get(i)).collect::<CoreResult<Vec<BlockHash>>>()?;
+        Ok(lock_attached(py, &self.inner)?
+            .hit_tokens(replica, medium, &rule.rule, &hashes, max_length)?)
+    }
+
     fn holds(
         &self,
         py: Python<'_>,
@@ -162,6 +223,12 @@ impl PyRouterIndex {
         Ok(lock_attached(py, &self.inner)?.num_keys())
     }
 
+    /// (replica, block) pairs held in more than one copy.
+    #[getter]
+    fn num_copied(&self, py: Python<'_>) -> GlueResult<usize> {
+        Ok(lock_attached(py, &self.inner)?.num_copied())
+    }
+
     /// Makes room for `keys` distinct keys, so that the table does not grow until it holds more.
     fn reserve(&self, py: Python<'_>, keys: usize) -> GlueResult<()> {
         lock_attached(py, &self.inner)?.reserve(keys);
@@ -174,13 +241,15 @@ impl PyRouterIndex {
     }
 
     /// What the index applied and refused: `stored`, `removed`, `repeated_stores`,
-    /// `unknown_removals`, `cleared`.
+    /// `repeated_removals` (copies of a block beyond the first), `unknown_removals`,
+    /// `cleared`.
     fn counts<'py>(&self, py: Python<'py>) -> GlueResult<Bound<'py, PyDict>> {
         let c = lock_attached(py, &self.inner)?.counts();
         let out = PyDict::new(py);
         out.set_item("stored", c.stored)?;
         out.set_item("removed", c.removed)?;
         out.set_item("repeated_stores", c.repeated_stores)?;
+        out.set_item("repeated_removals", c.repeated_removals)?;
         out.set_item("unknown_removals", c.unknown_removals)?;
         out.set_item("cleared", c.cleared)?;
         Ok(out)

@@ -6,11 +6,13 @@
 //! alignment, so block `i` of every group is keyed by the request's hash `i`.
 //!
 //! This is the one walk over cached blocks in the crate: the embedded block manager's
-//! token-verified hits come from it too, through a [`HitFilter`].
+//! token-verified hits come from it too, through a [`HitFilter`], and so do a router's
+//! predictions of a replica's hit, through [`CachedBlocks`] and a [`HitRule`].
 
-use super::spec::{AttentionKind, CoordinatorConfig};
+use super::spec::{AttentionKind, CoordinatorConfig, GroupSpec};
 use crate::hashing::BlockHash;
 use crate::pool::{BlockPool, CacheKey, NULL_BLOCK};
+use crate::CoreResult;
 use smallvec::SmallVec;
 
 /// One block per group of a lookup set, found at one position (no heap allocation for the
@@ -82,8 +84,8 @@ struct SetHit {
 /// `min(len(block_hashes), max_length / block_size + 1)` of the request's hashes (enough for
 /// every limit below; vLLM would fail on an index past the request's hashes, here the
 /// search stops there).
-fn find_for_kind<F: HitFilter + ?Sized>(
-    search: &Search<'_, F>,
+fn find_for_kind<F: HitFilter + ?Sized, C: CachedBlocks + ?Sized>(
+    search: &Search<'_, F, C>,
     kind: AttentionKind,
     max_length: usize,
     groups: &[usize],
@@ -185,24 +187,38 @@ pub(crate) fn lookup_sets(config: &CoordinatorConfig, drop: &[bool]) -> Vec<Look
         .collect()
 }
 
-/// What a hit search reads: the pool, the request's leading hashes (see [`find_for_kind`]),
-/// the block size every group shares, and which cached blocks it may adopt.
-pub(crate) struct Search<'a, F: ?Sized> {
-    pub pool: &'a BlockPool,
+/// Where a search finds the blocks cached under a key: a block pool, or a record of what
+/// another engine's pool holds (a router's index of one replica's blocks).
+pub trait CachedBlocks {
+    /// The blocks cached under `key`, in the order a search tries them.
+    fn cached_blocks(&self, key: &CacheKey) -> &[u32];
+}
+
+impl CachedBlocks for BlockPool {
+    fn cached_blocks(&self, key: &CacheKey) -> &[u32] {
+        self.lookup(key)
+    }
+}
+
+/// What a hit search reads: where blocks are cached, the request's leading hashes (see
+/// [`find_for_kind`]), the block size every group shares, and which cached blocks it may
+/// adopt.
+pub(crate) struct Search<'a, F: ?Sized, C: ?Sized = BlockPool> {
+    pub pool: &'a C,
     pub hashes: &'a [BlockHash],
     pub block_size: usize,
     pub filter: &'a F,
 }
 
-impl<F: ?Sized> Clone for Search<'_, F> {
+impl<F: ?Sized, C: ?Sized> Clone for Search<'_, F, C> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl<F: ?Sized> Copy for Search<'_, F> {}
+impl<F: ?Sized, C: ?Sized> Copy for Search<'_, F, C> {}
 
-impl<F: HitFilter + ?Sized> Search<'_, F> {
+impl<F: HitFilter + ?Sized, C: CachedBlocks + ?Sized> Search<'_, F, C> {
     /// The block the filter accepts for position `index` (hash `hash`) in each group of
     /// `groups`, or `None` if any group has none; `hit` holds the groups' hits so far (see
     /// [`HitFilter::accepts`]).
@@ -218,7 +234,7 @@ impl<F: HitFilter + ?Sized> Search<'_, F> {
             let key = CacheKey::new(*hash, g as u32);
             let before = hit.get(k).map_or(&[][..], Vec::as_slice);
             let accepts = |&b: &u32| self.filter.accepts(g, index, b, &key, before);
-            found.push(*self.pool.lookup(&key).iter().find(|b| accepts(b))?);
+            found.push(*self.pool.cached_blocks(&key).iter().find(|b| accepts(b))?);
         }
         Some(found)
     }
@@ -238,7 +254,7 @@ impl<F: HitFilter + ?Sized> Search<'_, F> {
 /// The longest prefix of the request's hashes (at most `max_length` tokens) every group can
 /// serve from the cache (vLLM's unitary and hybrid coordinators).
 pub(crate) fn find_longest_cache_hit(
-    search: &Search<'_, impl HitFilter + ?Sized>,
+    search: &Search<'_, impl HitFilter + ?Sized, impl CachedBlocks + ?Sized>,
     sets: &[LookupSet],
     num_groups: usize,
     max_length: usize,
@@ -256,7 +272,7 @@ pub(crate) fn find_longest_cache_hit(
 /// most `max_length` tokens (with the EAGLE drop, one block more, as far as the hashes go),
 /// with no agreement between sets. Per group, its blocks and its hit length in tokens.
 pub(crate) fn find_cache_hit_per_group(
-    search: &Search<'_, impl HitFilter + ?Sized>,
+    search: &Search<'_, impl HitFilter + ?Sized, impl CachedBlocks + ?Sized>,
     sets: &[LookupSet],
     num_groups: usize,
     max_length: usize,
@@ -279,7 +295,7 @@ pub(crate) fn find_cache_hit_per_group(
 /// vLLM's hybrid coordinator: every lookup set either accepts the candidate length or
 /// shortens it, and a shortening restarts the round, until the length holds for all.
 fn hybrid_hit(
-    search: &Search<'_, impl HitFilter + ?Sized>,
+    search: &Search<'_, impl HitFilter + ?Sized, impl CachedBlocks + ?Sized>,
     sets: &[LookupSet],
     num_groups: usize,
     max_length: usize,
@@ -338,5 +354,65 @@ fn hybrid_hit(
         blocks,
         num_tokens: hit_length,
         num_uncached_common: longest.saturating_sub(hit_length),
+    }
+}
+
+/// A KV-cache layout's prefix-hit rule apart from any pool: its groups' lookup sets in
+/// vLLM's order, for predicting the hit of a cache kvblocks only reads about (a router's
+/// record of what a replica holds, [`crate::router`]).
+#[derive(Debug, Clone)]
+pub struct HitRule {
+    sets: Vec<LookupSet>,
+    num_groups: usize,
+    block_size: usize,
+}
+
+impl HitRule {
+    /// The rule of `groups` (one block size, the hash block size), looked up in `lookup_sets`
+    /// (as [`CoordinatorConfig::lookup_sets`]), with vLLM's EAGLE block drop when
+    /// `use_eagle`. Refuses what a [`CoordinatorConfig`] with prefix caching refuses.
+    pub fn new(
+        groups: Vec<GroupSpec>,
+        lookup_sets: Vec<Vec<usize>>,
+        use_eagle: bool,
+    ) -> CoreResult<Self> {
+        let block_size = groups.first().map_or(1, |g| g.block_size);
+        let config = CoordinatorConfig {
+            groups,
+            lookup_sets,
+            use_eagle,
+            ..CoordinatorConfig::single_group(1, block_size, usize::MAX)
+        };
+        config.validate()?;
+        let sets = self::lookup_sets(&config, &config.eagle_drop_groups());
+        Ok(Self { sets, num_groups: config.groups.len(), block_size })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.num_groups
+    }
+
+    /// Whether the hit is the longest prefix of blocks every group holds: full attention
+    /// (MLA included) only, no EAGLE drop.
+    pub fn is_plain_prefix(&self) -> bool {
+        self.sets.iter().all(|s| s.kind.is_full() && !s.drop_eagle)
+    }
+
+    /// The tokens of a request with `hashes` (all its full blocks' hashes) that a lookup of
+    /// at most `max_length` tokens finds in `cached` (vLLM's rule: any block cached under the
+    /// request's hash serves it).
+    pub fn hit_tokens(
+        &self,
+        cached: &(impl CachedBlocks + ?Sized),
+        hashes: &[BlockHash],
+        max_length: usize,
+    ) -> usize {
+        let search =
+            Search { pool: cached, hashes, block_size: self.block_size, filter: &AnyCached };
+        find_longest_cache_hit(&search, &self.sets, self.num_groups, max_length).num_tokens
     }
 }

@@ -44,7 +44,7 @@ mod zeroing;
 
 pub use allocate::AllocateArgs;
 pub use caching::BoundaryState;
-pub use hit::{AnyCached, CacheHit, HitFilter};
+pub use hit::{AnyCached, CacheHit, CachedBlocks, HitFilter, HitRule};
 pub use manager::{KvCacheManager, ManagerEvent};
 pub use request::{HashSource, RequestState};
 pub use spec::{AttentionKind, CoordinatorConfig, GroupSpec};
