@@ -129,9 +129,9 @@ def test_scores_over_http_from_events_over_zmq() -> None:
             # a group kind kvblocks does not reproduce: scored None, never guessed
             *fleet_json(name="w", kinds=["full_attention", "sink_full_attention"])["replicas"],
             # a hybrid layout kvblocks reproduces: scored (it holds nothing)
-            *fleet_json(
-                name="g", kinds=["full_attention", "sliding_window"], sliding_window=32
-            )["replicas"],
+            *fleet_json(name="g", kinds=["full_attention", "sliding_window"], sliding_window=32)[
+                "replicas"
+            ],
         ]
     }
     prompt = list(range(100, 180))  # 5 blocks

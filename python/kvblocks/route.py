@@ -146,9 +146,7 @@ def _replica_spec(entry: Any, where: str) -> ReplicaSpec:
     if not isinstance(kinds, list):
         raise ValueError(f"{where}: kinds must be a list of group kinds, got {kinds!r}")
     sets = entry.get("lookup_sets")
-    if sets is not None and not (
-        isinstance(sets, list) and all(isinstance(s, list) for s in sets)
-    ):
+    if sets is not None and not (isinstance(sets, list) and all(isinstance(s, list) for s in sets)):
         raise ValueError(f"{where}: lookup_sets must be a list of lists of group ids")
     if not isinstance(entry.get("use_eagle", False), bool):
         raise ValueError(f"{where}: use_eagle must be true or false")
