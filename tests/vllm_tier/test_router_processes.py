@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvblocks.router import ReplicaFeed, RoutingIndex
+from kvblocks.router import ReplicaFeed, ReplicaLayout, RoutingIndex
 from tests.fresh_process import CHECKOUT
 
 REPLICA = r"""
@@ -33,14 +33,18 @@ import json, sys, time
 from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 from vllm.lora.request import LoRARequest
 from vllm.v1.core import kv_cache_utils
+import dataclasses
 import kvblocks.vllm
+from kvblocks.router import ReplicaLayout
 from tests.vllm_driver import SchedulerSpec, block_hasher, make_request, make_scheduler
 from tests.vllm_tier.simulation import run
 
 port, replay_port = int(sys.argv[1]), int(sys.argv[2])
 kvblocks.vllm.install("all")
+layout = json.loads(sys.argv[4])  # a layout name, or [[kind, size], ...]
 spec = SchedulerSpec(block_size=16, num_blocks=int(sys.argv[3]), hash_algo="sha256",
-                     kv_events=True, max_num_seqs=4)
+                     kv_events=True, max_num_seqs=4,
+                     layout=layout if isinstance(layout, str) else [tuple(g) for g in layout])
 scheduler = make_scheduler(tiny_model_dir := __import__("tests.vllm_driver",
                            fromlist=["tiny_model_dir"]).tiny_model_dir(), spec)
 class CountingHasher:  # counts the blocks the replica's own request hasher hashes
@@ -66,8 +70,11 @@ class Counting:
 
 counting = Counting()
 manager = type(scheduler.kv_cache_manager).__module__
-print(json.dumps({"none_hash": bytes(kv_cache_utils.NONE_HASH).hex(), "manager": manager}),
-      flush=True)
+# what a replica tells its router of its KV-cache groups (kvblocks.router.ReplicaLayout)
+groups = dataclasses.asdict(ReplicaLayout.from_kv_cache_config(
+    scheduler.kv_cache_manager.kv_cache_config))
+print(json.dumps({"none_hash": bytes(kv_cache_utils.NONE_HASH).hex(), "manager": manager,
+                  "layout": groups}), flush=True)
 for line in sys.stdin:
     command = json.loads(line)
     if command["op"] == "run":
@@ -110,7 +117,9 @@ def free_port() -> int:
 class Replica:
     """A replica process and its two endpoints."""
 
-    def __init__(self, num_blocks: int, ports: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, ports: tuple[int, int] | None = None, layout: Any = "llama"
+    ) -> None:
         self.ports = ports or (free_port(), free_port())
         env = {
             **os.environ,
@@ -118,7 +127,14 @@ class Replica:
         }
         env.pop("KVBLOCKS_VLLM", None)
         self.process = subprocess.Popen(
-            [sys.executable, "-c", REPLICA, *map(str, self.ports), str(num_blocks)],
+            [
+                sys.executable,
+                "-c",
+                REPLICA,
+                *map(str, self.ports),
+                str(num_blocks),
+                json.dumps(layout),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -128,6 +144,11 @@ class Replica:
         hello = json.loads(self.read())
         self.none_hash = bytes.fromhex(hello["none_hash"])
         assert hello["manager"] == "kvblocks.vllm.kv_cache_manager"
+        fields = hello["layout"]
+        sets = fields["lookup_sets"]
+        self.layout = ReplicaLayout(
+            **{**fields, "kinds": tuple(fields["kinds"]), "lookup_sets": tuple(map(tuple, sets))}
+        )
 
     def read(self) -> str:
         assert self.process.stdout is not None
@@ -269,6 +290,57 @@ def test_the_index_follows_replicas_over_zmq(fleet: Any) -> None:
     assert index.counts()["unknown_removals"] == 0
     print(f"\nprefill tokens found cached: {saved}")
     assert saved["index"] > saved["round robin"]
+
+
+def test_hybrid_replicas_over_zmq(fleet: Any) -> None:
+    """Replica processes on a gpt-oss-like layout (full attention and a 48-token sliding
+    window), each telling the router its layout as it reads its own ``KVCacheConfig``: every
+    predicted hit is the one the replica's scheduler takes, under eviction, and the window's
+    rule decided some of them."""
+    replicas, feeds = fleet
+    index = RoutingIndex()
+    for i in range(2):
+        replicas.append(Replica(num_blocks=120, layout=[["full", 0], ["sliding_window", 48]]))
+        assert replicas[i].layout.kinds == ("full_attention", "sliding_window")
+        index.add_replica(f"r{i}", config(replicas[i].none_hash), replicas[i].layout)
+        feeds.append(
+            ReplicaFeed(
+                index,
+                f"r{i}",
+                replicas[i].endpoint(),
+                replay_endpoint=replicas[i].replay_endpoint(),
+            )
+        )
+    time.sleep(0.5)  # the SUB sockets' subscriptions reach the publishers
+    hits = cut_short = 0
+    for i, command in enumerate(trace(23, 40)):
+        for feed in feeds:
+            feed.poll(0)
+        kwargs = {"cache_salt": command["salt"]}
+        if command["lora"]:
+            from vllm.lora.request import LoRARequest
+
+            kwargs["lora_request"] = LoRARequest("adapter-1", 1, "/lora")
+        predicted = index.score(command["prompt"], **kwargs)
+        name = index.best(command["prompt"], **kwargs) if i % 3 else f"r{i % 2}"
+        # what the full-attention group alone holds of the prompt
+        hashes = index.route(command["prompt"], **kwargs).block_hashes or []
+        usable = hashes[: (len(command["prompt"]) - 1) // 16]
+        replica_id = index._replicas[name].id
+        full = index._core.prefix_blocks(usable, 0, 0)[replica_id] * 16
+        target = int(name[1:])
+        answer = replicas[target].ask(command)
+        assert answer["hit"] == predicted[name], (i, name, predicted, answer)
+        hits += answer["hit"] > 0
+        cut_short += predicted[name] < full
+        catch_up(feeds[target], answer["seq"])
+    counts = index.counts()
+    # Not vacuous: hits, evictions, and hits the window's rule made shorter than full
+    # attention's prefix.
+    assert hits > 5
+    assert counts["removed"] > 0
+    assert cut_short > 0
+    assert counts["unknown_removals"] == 0
 
 
 def test_kvblocks_route_over_http_routes_real_replicas(fleet: Any) -> None:
