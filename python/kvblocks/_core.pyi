@@ -407,17 +407,17 @@ class RouterIndex:
     ) -> dict[int, int]: ...
     def hit_tokens(
         self,
-        replica: int,
+        replicas: Sequence[int],
         block_hashes: list[bytes],
         rule: HitRule,
         medium: int,
         max_length: int,
         /,
-    ) -> int:
-        """The prefix tokens the replica's scheduler would find cached in ``medium`` for a
-        request whose full blocks have ``block_hashes``, in a lookup of at most
-        ``max_length`` tokens: its coordinator's search under ``rule``, over the blocks the
-        index says it holds (``KeyError``-free: an unknown replica is a ``ValueError``)."""
+    ) -> list[int]:
+        """For each of ``replicas``, the prefix tokens its scheduler would find cached in
+        ``medium`` for a request whose full blocks have ``block_hashes``, in a lookup of at
+        most ``max_length`` tokens: its coordinator's search under ``rule``, over the blocks
+        the index says it holds (an unknown replica is a ``ValueError``)."""
     def holds(self, replica: int, hash: bytes | int, group: int, medium: int) -> bool: ...
     def held(self, replica: int) -> int: ...
     @property

@@ -190,7 +190,17 @@ def _config_key(config: Any) -> tuple[Any, ...]:
 
 
 class _Replica:
-    __slots__ = ("config", "hash_block_size", "hasher", "id", "kinds", "name", "plain", "rule")
+    __slots__ = (
+        "config",
+        "hash_block_size",
+        "hasher",
+        "id",
+        "kinds",
+        "layout",
+        "name",
+        "plain",
+        "rule",
+    )
 
     def __init__(
         self, name: str, rid: int, config: Any, layout: ReplicaLayout, hasher: PromptBlockHasher
@@ -201,10 +211,33 @@ class _Replica:
         self.hasher = hasher  # shared by the replicas whose engines hash alike
         self.hash_block_size: int = config.hash_block_size
         self.kinds = layout.kinds
+        self.layout = layout
         # None where kvblocks does not reproduce the replica's rule: it then scores None.
         self.rule = layout.hit_rule(self.hash_block_size)
         # A plain longest prefix is walked for every such replica at once.
         self.plain = self.rule is not None and self.rule.is_plain_prefix
+
+
+class _Plan:
+    """How :meth:`RoutingIndex.route` scores the replicas whose engines hash alike: the
+    plain-prefix ones from one walk per group for them all, the hybrid ones in one call per
+    layout."""
+
+    def __init__(self, first: _Replica) -> None:
+        self.hasher = first.hasher
+        self.block_size = first.hash_block_size
+        self.groups = 0  # the most groups a plain-prefix replica has
+        self.plain: list[tuple[str, int, int]] = []  # (name, id, groups)
+        self.hybrid: dict[ReplicaLayout, tuple[HitRule, list[str], list[int]]] = {}
+
+    def add(self, replica: _Replica) -> None:
+        if replica.plain:
+            self.plain.append((replica.name, replica.id, len(replica.kinds)))
+            self.groups = max(self.groups, len(replica.kinds))
+        elif replica.rule is not None:
+            _, names, ids = self.hybrid.setdefault(replica.layout, (replica.rule, [], []))
+            names.append(replica.name)
+            ids.append(replica.id)
 
 
 class RoutingIndex:
@@ -215,6 +248,7 @@ class RoutingIndex:
         self._replicas: dict[str, _Replica] = {}
         self._media: dict[str, int] = {GPU: 0}
         self._skipped_events = 0
+        self._plans: dict[tuple[Any, ...], _Plan] | None = None  # rebuilt on a change
 
     # -- replicas ------------------------------------------------------------------------
 
@@ -245,12 +279,14 @@ class RoutingIndex:
         replica = _Replica(name, free, prefix_hash_config, layout or ReplicaLayout(), hasher)
         self._core.add_replica(free)
         self._replicas[name] = replica
+        self._plans = None
 
     def remove_replica(self, name: str) -> int:
         """Forgets a replica and its blocks; returns how many blocks it held."""
         replica = self._replica(name)
         dropped: int = self._core.remove_replica(replica.id)
         del self._replicas[name]
+        self._plans = None
         return dropped
 
     def clear_replica(self, name: str) -> int:
@@ -356,53 +392,54 @@ class RoutingIndex:
         ``EngineCoreRequest.block_hashes``), so that the replica does not hash the prompt
         again. The prompt is hashed once per hash configuration in the fleet, and the index
         walked once per (configuration, group) for every replica."""
-        num_tokens = len(prompt_token_ids)
         medium_id = self._media.get(medium)
-        scores: dict[str, int | None] = {}
-        hashes_by_config: dict[tuple[Any, ...], list[bytes] | None] = {}
-        prefixes: dict[tuple[tuple[Any, ...], int], dict[int, int]] = {}
         # vLLM looks up at most num_tokens - 1 tokens: the last is always computed.
-        max_length = max(num_tokens - 1, 0)
-        for name, replica in self._replicas.items():
-            if replica.rule is None:
-                scores[name] = None
-                continue
-            key = replica.config
-            if key not in hashes_by_config:
-                hashes_by_config[key] = replica.hasher.block_hashes(
-                    prompt_token_ids,
-                    lora_request=lora_request,
-                    cache_salt=cache_salt,
-                    mm_features=mm_features,
-                )
-            hashes = hashes_by_config[key]
+        max_length = max(len(prompt_token_ids) - 1, 0)
+        scores: dict[str, int | None] = dict.fromkeys(self._replicas)
+        hashes_by_config: dict[tuple[Any, ...], list[bytes] | None] = {}
+        core = self._core
+        for key, plan in self._route_plans().items():
+            hashes = hashes_by_config[key] = plan.hasher.block_hashes(
+                prompt_token_ids,
+                lora_request=lora_request,
+                cache_salt=cache_salt,
+                mm_features=mm_features,
+            )
             if hashes is None:
-                scores[name] = None
+                continue  # not reproducible byte for byte: None for these replicas
+            if medium_id is None:  # a medium no event has named: nothing cached there
+                for name, *_ in plan.plain:
+                    scores[name] = 0
+                for _, names, _ in plan.hybrid.values():
+                    scores.update(dict.fromkeys(names, 0))
                 continue
-            if medium_id is None:
-                scores[name] = 0
-                continue
-            if not replica.plain:
-                # A sliding-window, chunked-local or Mamba group (or the EAGLE drop): the
-                # replica's coordinator's own search, over the blocks it holds.
-                scores[name] = self._core.hit_tokens(
-                    replica.id, hashes, replica.rule, medium_id, max_length
-                )
-                continue
-            blocks = None
-            for group in range(len(replica.kinds)):
-                if (key, group) not in prefixes:
-                    usable = hashes[: max_length // replica.hash_block_size]
-                    prefixes[key, group] = self._core.prefix_blocks(usable, group, medium_id)
-                found = prefixes[key, group][replica.id]
-                blocks = found if blocks is None else min(blocks, found)
-            scores[name] = (blocks or 0) * replica.hash_block_size
-        known = [
-            (tokens, -i, n) for i, (n, tokens) in enumerate(scores.items()) if tokens is not None
-        ]
-        best = max(known)[2] if known else None
+            if plan.plain:
+                usable = hashes[: max_length // plan.block_size]
+                found = [core.prefix_blocks(usable, g, medium_id) for g in range(plan.groups)]
+                for name, rid, groups in plan.plain:
+                    blocks = min(found[g][rid] for g in range(groups))
+                    scores[name] = blocks * plan.block_size
+            for rule, names, ids in plan.hybrid.values():
+                # Sliding-window, chunked-local or Mamba groups (or the EAGLE drop): the
+                # replicas' coordinator's own search, over the blocks each holds.
+                found_tokens = core.hit_tokens(ids, hashes, rule, medium_id, max_length)
+                scores.update(zip(names, found_tokens, strict=True))
+        best, most = None, -1
+        for name, score in scores.items():
+            if score is not None and score > most:
+                best, most = name, score
         chosen = None if best is None else hashes_by_config.get(self._replicas[best].config)
         return Route(best, scores, chosen)
+
+    def _route_plans(self) -> dict[tuple[Any, ...], _Plan]:
+        plans = self._plans
+        if plans is None:
+            plans = {}
+            for replica in self._replicas.values():
+                if replica.rule is not None:
+                    plans.setdefault(replica.config, _Plan(replica)).add(replica)
+            self._plans = plans
+        return plans
 
 
 @dataclass(frozen=True)

@@ -171,24 +171,29 @@ impl PyRouterIndex {
         Ok(result)
     }
 
-    /// The prefix tokens `replica`'s scheduler would find cached in `medium` for a request
-    /// with `block_hashes` (a list of `bytes`, every full block's), in a lookup of at most
-    /// `max_length` tokens, under its layout's `rule`.
-    #[pyo3(signature = (replica, block_hashes, rule, medium, max_length, /))]
+    /// For each replica of `replicas`, the prefix tokens its scheduler would find cached in
+    /// `medium` for a request with `block_hashes` (a list of `bytes`, every full block's), in
+    /// a lookup of at most `max_length` tokens, under their layout's `rule` (the hashes read
+    /// once for them all).
+    #[pyo3(signature = (replicas, block_hashes, rule, medium, max_length, /))]
     fn hit_tokens(
         &self,
         py: Python<'_>,
-        replica: usize,
+        replicas: Vec<usize>,
         block_hashes: &Bound<'_, PyAny>,
         rule: &PyHitRule,
         medium: u32,
         max_length: usize,
-    ) -> GlueResult<usize> {
+    ) -> GlueResult<Vec<usize>> {
         let source = hashes_arg(block_hashes)?;
         let hashes =
             (0..source.len()).map(|i| source.get(i)).collect::<CoreResult<Vec<BlockHash>>>()?;
-        Ok(lock_attached(py, &self.inner)?
-            .hit_tokens(replica, medium, &rule.rule, &hashes, max_length)?)
+        let index = lock_attached(py, &self.inner)?;
+        let found = replicas
+            .iter()
+            .map(|&r| index.hit_tokens(r, medium, &rule.rule, &hashes, max_length))
+            .collect::<CoreResult<Vec<usize>>>()?;
+        Ok(found)
     }
 
     fn holds(
