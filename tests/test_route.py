@@ -185,6 +185,21 @@ def test_scores_over_http_from_events_over_zmq() -> None:
                 assert status == 400, (body, error)
                 assert message in error["error"], (body, error)
             assert post(running.url + "/score", {"prompt_token_ids": prompt})[1]["best"] == "a"
+            # a batch with an event type the index does not know, beside a store it does,
+            # then one that is not a batch at all: counted, skipped, the stream goes on
+            unknown = {"type": "BlockTeleported", "block_hashes": [1]}
+            batch = [time.time(), [unknown, stored(hashes[3:4], prompt[48:64])], None]
+            publisher.send_multipart([b"", (1).to_bytes(8, "big"), encoder.encode(batch)])
+            publisher.send_multipart([b"", (2).to_bytes(8, "big"), b"not msgpack"])
+            feed = running.service.feeds["a"]
+            deadline = time.monotonic() + 10
+            while feed.last_seq != 2:
+                assert time.monotonic() < deadline, "the batches never arrived"
+                time.sleep(0.02)
+            counts = get(running.url + "/replicas")
+            assert counts["replicas"]["a"]["blocks_held"] == 4
+            assert counts["counts"]["skipped_events"] == 1
+            assert counts["replicas"]["a"]["feed"]["malformed"] == 1
     finally:
         publisher.close(linger=0)
 

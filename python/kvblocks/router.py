@@ -613,12 +613,12 @@ class ReplicaFeed:
         except Exception:  # msgspec's DecodeError / ValidationError: a malformed batch
             self.malformed += 1
             return 0
-        events = []
+        events: list[Any] = []
         for raw in batch.events:
             try:
                 events.append(self._decode_event.decode(raw))
-            except Exception:  # an event type (or shape) the index does not know
-                self.index._skipped_events += 1
+            except Exception:  # an event type (or shape) the index does not know: kept in
+                events.append(raw)  # its place, for apply_events to count and skip
         self.index.apply_events(self.name, events)
         self.batches += 1
         return 1
