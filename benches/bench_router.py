@@ -79,6 +79,17 @@ def _dynamo_removed(event_id: int, hashes: list[int]) -> bytes:
     return json.dumps({"event_id": event_id, "data": data}).encode()
 
 
+def _p50_p99(call: Any, items: list[Any]) -> tuple[float, float]:
+    """The median and 99th percentile of ``call(item)`` over ``items``, one call each, in us."""
+    latencies = []
+    for item in items:
+        start = time.perf_counter_ns()
+        call(item)
+        latencies.append(time.perf_counter_ns() - start)
+    latencies.sort()
+    return latencies[len(latencies) // 2] / 1e3, latencies[len(latencies) * 99 // 100] / 1e3
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -226,13 +237,7 @@ def test_lookup(benchmark: Any, fleet: dict[str, Any], impl: str) -> None:
     found = index.prefix_blocks(queries[0], 0, 0)
     assert len(found) == REPLICAS
     # p50 / p99 over every query, one call each
-    latencies = []
-    for hashes in queries:
-        start = time.perf_counter_ns()
-        index.prefix_blocks(hashes, 0, 0)
-        latencies.append(time.perf_counter_ns() - start)
-    latencies.sort()
-    p50, p99 = latencies[len(latencies) // 2] / 1e3, latencies[len(latencies) * 99 // 100] / 1e3
+    p50, p99 = _p50_p99(lambda hashes: index.prefix_blocks(hashes, 0, 0), queries)
     turn = [0]
 
     def lookup() -> None:
@@ -275,13 +280,7 @@ def test_lookup_dynamo(benchmark: Any, fleet: dict[str, Any], dynamo: dict[str, 
     """(b) on Dynamo's index: ``find_matches`` on the same queries."""
     tree = dynamo["tree"]
     queries = fleet["queries"]
-    latencies = []
-    for hashes in queries:
-        start = time.perf_counter_ns()
-        tree.find_matches(hashes)
-        latencies.append(time.perf_counter_ns() - start)
-    latencies.sort()
-    p50, p99 = latencies[len(latencies) // 2] / 1e3, latencies[len(latencies) * 99 // 100] / 1e3
+    p50, p99 = _p50_p99(lambda hashes: tree.find_matches(hashes), queries)
     turn = [0]
 
     def lookup() -> None:
@@ -371,13 +370,7 @@ def test_route(benchmark: Any, layout: str) -> None:
     queries = [rng.choice(prefixes)[: rng.randrange(1_000, 1_600)] for _ in range(500)]
     queries = [q + [rng.randrange(50_000) for _ in range(2_000 - len(q))] for q in queries]
     assert sum(bool(index.route(q).scores["r0"]) for q in queries) > 10  # hits to score
-    latencies = []
-    for prompt in queries:
-        start = time.perf_counter_ns()
-        index.route(prompt)
-        latencies.append(time.perf_counter_ns() - start)
-    latencies.sort()
-    p50, p99 = latencies[len(latencies) // 2] / 1e3, latencies[len(latencies) * 99 // 100] / 1e3
+    p50, p99 = _p50_p99(lambda prompt: index.route(prompt), queries)
     turn = [0]
 
     def route() -> None:

@@ -169,6 +169,10 @@ class Replica:
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.ports[1]}"
 
+    def feed(self, index: RoutingIndex, name: str) -> ReplicaFeed:
+        """The index's feed of this replica's events, replays included."""
+        return ReplicaFeed(index, name, self.endpoint(), replay_endpoint=self.replay_endpoint())
+
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(10)
@@ -240,11 +244,7 @@ def test_the_index_follows_replicas_over_zmq(fleet: Any) -> None:
     for command in warm:
         replicas[0].ask(command)
     for i, replica in enumerate(replicas):
-        feeds.append(
-            ReplicaFeed(
-                index, f"r{i}", replica.endpoint(), replay_endpoint=replica.replay_endpoint()
-            )
-        )
+        feeds.append(replica.feed(index, f"r{i}"))
     time.sleep(0.5)  # the SUB sockets' subscriptions reach the publishers
     rng = random.Random(3)
     saved = {"index": 0, "round robin": 0}
@@ -303,14 +303,7 @@ def test_hybrid_replicas_over_zmq(fleet: Any) -> None:
         replicas.append(Replica(num_blocks=120, layout=[["full", 0], ["sliding_window", 48]]))
         assert replicas[i].layout.kinds == ("full_attention", "sliding_window")
         index.add_replica(f"r{i}", config(replicas[i].none_hash), replicas[i].layout)
-        feeds.append(
-            ReplicaFeed(
-                index,
-                f"r{i}",
-                replicas[i].endpoint(),
-                replay_endpoint=replicas[i].replay_endpoint(),
-            )
-        )
+        feeds.append(replicas[i].feed(index, f"r{i}"))
     time.sleep(0.5)  # the SUB sockets' subscriptions reach the publishers
     hits = cut_short = 0
     for i, command in enumerate(trace(23, 40)):
@@ -422,14 +415,7 @@ def test_forwarded_hashes_skip_the_replicas_hashing(fleet: Any) -> None:
         replicas.append(Replica(num_blocks=64))
     for i in range(2):
         index.add_replica(f"r{i}", config(replicas[i].none_hash))
-        feeds.append(
-            ReplicaFeed(
-                index,
-                f"r{i}",
-                replicas[i].endpoint(),
-                replay_endpoint=replicas[i].replay_endpoint(),
-            )
-        )
+        feeds.append(replicas[i].feed(index, f"r{i}"))
     time.sleep(0.5)  # the SUB sockets' subscriptions reach the publishers
     skipped = 0
     for i, command in enumerate(trace(17, 24)):
