@@ -223,6 +223,31 @@ def test_the_score_needs_no_http() -> None:
     assert service.score({"prompt_token_ids": [*prompt, 5]})["scores"] == {"a": 32}
 
 
+def test_a_prefix_counts_as_far_as_every_group_holds_it() -> None:
+    """Two full-attention groups (as a model with two attention specs has): the hit is the
+    shorter of the groups' prefixes; a one-group replica beside it is scored on its own."""
+    fleet = {
+        "replicas": [
+            *fleet_json(name="two", kinds=["full_attention", "mla_attention"])["replicas"],
+            *fleet_json(name="one")["replicas"],
+        ]
+    }
+    service = RouteService(load_fleet(fleet))
+    prompt = list(range(80))  # 5 blocks; 4 may hit
+    hashes = block_hashes(prompt)
+    service.index.apply_events(
+        "two",
+        [
+            BlockStored(block_hashes=hashes[:4], medium=None, group_idx=0),
+            BlockStored(block_hashes=hashes[:2], medium=None, group_idx=1),
+        ],
+    )
+    service.index.apply_events(
+        "one", [BlockStored(block_hashes=hashes[:3], medium=None, group_idx=None)]
+    )
+    assert service.score({"prompt_token_ids": prompt})["scores"] == {"two": 32, "one": 48}
+
+
 def test_the_command_serves_until_stopped(tmp_path: Path) -> None:
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps(fleet_json()))

@@ -416,9 +416,14 @@ class RoutingIndex:
             if plan.plain:
                 usable = hashes[: max_length // plan.block_size]
                 found = [core.prefix_blocks(usable, g, medium_id) for g in range(plan.groups)]
-                for name, rid, groups in plan.plain:
-                    blocks = min(found[g][rid] for g in range(groups))
-                    scores[name] = blocks * plan.block_size
+                size = plan.block_size
+                if plan.groups == 1:  # the usual fleet: one walk answers every replica
+                    first = found[0]
+                    for name, rid, _ in plan.plain:
+                        scores[name] = first[rid] * size
+                else:
+                    for name, rid, groups in plan.plain:
+                        scores[name] = min(found[g][rid] for g in range(groups)) * size
             for rule, names, ids in plan.hybrid.values():
                 # Sliding-window, chunked-local or Mamba groups (or the EAGLE drop): the
                 # replicas' coordinator's own search, over the blocks each holds.
