@@ -21,7 +21,7 @@ is registered but nothing updates it); its engine's ``PrefixHashConfig``: ``hash
 that one must be given); and its KV-cache groups, as :class:`kvblocks.router.ReplicaLayout`
 takes them (``kinds``, default one full-attention group; ``block_size``, default the hash
 block size; ``sliding_window`` and ``attention_chunk_size`` where a group needs them;
-``lookup_sets``; ``use_eagle``).
+``lookup_sets``; ``use_eagle`` and ``eagle_groups``).
 
 Endpoints (JSON in, JSON out):
 
@@ -94,6 +94,7 @@ _REPLICA_FIELDS = frozenset(
         "attention_chunk_size",
         "lookup_sets",
         "use_eagle",
+        "eagle_groups",
     }
 )
 
@@ -150,6 +151,9 @@ def _replica_spec(entry: Any, where: str) -> ReplicaSpec:
         raise ValueError(f"{where}: lookup_sets must be a list of lists of group ids")
     if not isinstance(entry.get("use_eagle", False), bool):
         raise ValueError(f"{where}: use_eagle must be true or false")
+    drafts = entry.get("eagle_groups")
+    if drafts is not None and not isinstance(drafts, list):
+        raise ValueError(f"{where}: eagle_groups must be a list of group ids")
     try:
         layout = ReplicaLayout(
             tuple(kinds),
@@ -158,6 +162,7 @@ def _replica_spec(entry: Any, where: str) -> ReplicaSpec:
             attention_chunk_size=entry.get("attention_chunk_size"),
             lookup_sets=None if sets is None else tuple(tuple(s) for s in sets),
             use_eagle=entry.get("use_eagle", False),
+            eagle_groups=None if drafts is None else tuple(drafts),
         )
         layout.hit_rule(block)  # bad lookup sets fail here, naming the replica
     except ValueError as error:

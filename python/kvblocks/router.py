@@ -77,7 +77,9 @@ class ReplicaLayout:
     replica's hash block size), the window of its sliding-window groups and the chunk of its
     chunked-local ones, the sets of groups its coordinator looks up together (default: the
     groups of one kind together, as vLLM's coordinator sets groups with equal specs; full
-    attention first) and whether it drops the last hit block for EAGLE (``use_eagle``).
+    attention first) and whether it drops the last hit block for EAGLE (``use_eagle``: in
+    ``eagle_groups``, the draft model's groups, vLLM's ``is_eagle_group``; default every
+    group).
 
     :meth:`from_kv_cache_config` reads all of it from the replica's ``KVCacheConfig``."""
 
@@ -87,6 +89,7 @@ class ReplicaLayout:
     attention_chunk_size: int | None = None
     lookup_sets: tuple[tuple[int, ...], ...] | None = None
     use_eagle: bool = False
+    eagle_groups: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.kinds or not all(isinstance(k, str) for k in self.kinds):
@@ -102,6 +105,10 @@ class ReplicaLayout:
             raise ValueError(
                 "a layout with a chunked local attention group needs its attention_chunk_size"
             )
+        if self.eagle_groups is not None and not all(
+            type(g) is int and 0 <= g < len(self.kinds) for g in self.eagle_groups
+        ):
+            raise ValueError(f"eagle_groups must be group ids, got {self.eagle_groups!r}")
 
     @classmethod
     def from_kv_cache_config(
@@ -149,6 +156,7 @@ class ReplicaLayout:
             attention_chunk_size=next(iter(chunks), None),
             lookup_sets=tuple(tuple(s) for s in _lookup_sets(kv_cache_config)),
             use_eagle=use_eagle,
+            eagle_groups=tuple(i for i, g in enumerate(groups) if g.is_eagle_group) or None,
         )
 
     def hit_rule(self, hash_block_size: int) -> HitRule | None:
@@ -160,14 +168,16 @@ class ReplicaLayout:
             return None
         if not all(engine):
             return None
+        drafts = self.eagle_groups or ()
         groups = [
             KVCacheGroup(
                 kind,
                 hash_block_size,
                 sliding_window=self.sliding_window if kind == "sliding_window" else None,
                 attention_chunk_size=self.attention_chunk_size if kind == "chunked_local" else None,
+                is_eagle_group=i in drafts,
             )
-            for kind in engine
+            for i, kind in enumerate(engine)
         ]
         if self.lookup_sets is None:
             by_kind: dict[str, list[int]] = {}

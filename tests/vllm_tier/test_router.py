@@ -22,6 +22,7 @@ from vllm.v1.core import kv_cache_utils
 from kvblocks.router import ReplicaLayout, RoutingIndex
 from kvblocks.vllm.bench.config import make_kv_cache_config
 from tests.vllm_driver import SchedulerSpec, block_hasher, make_request, make_scheduler
+from tests.vllm_driver.speculative import Speculation
 from tests.vllm_tier.simulation import implementation, run
 
 
@@ -60,12 +61,23 @@ HYBRID_LAYOUTS: dict[str, list[tuple[str, int]]] = {
     "gemma3": [("sliding_window", 40)] * 5 + [("full", 0)],
     "llama4": [("chunked_local", 64), ("full", 0)],
     "qwen3.5": [("full", 0)] + [("mamba", 0)] * 3,
+    # EAGLE's last-block drop (lookahead block hashes off), the draft's layers in the first
+    # full-attention group (vLLM's is_eagle_group): on one group, and beside a window
+    "llama, EAGLE": [("full", 0)],
+    "gpt-oss, EAGLE": [("full", 0), ("sliding_window", 48)],
 }
 
 
 #: Pools small enough that each hybrid trace evicts (the copies vLLM caches of blocks it
 #: computed again among them), large enough for hits: six groups share gemma3's.
-HYBRID_POOLS = {"gpt-oss": 200, "gemma3": 400, "llama4": 200, "qwen3.5": 300}
+HYBRID_POOLS = {
+    "gpt-oss": 200,
+    "gemma3": 400,
+    "llama4": 200,
+    "qwen3.5": 300,
+    "llama, EAGLE": 60,
+    "gpt-oss, EAGLE": 200,
+}
 
 
 def fleet(
@@ -84,6 +96,11 @@ def fleet(
         max_num_seqs=4,
         layout=HYBRID_LAYOUTS[layout] if layout else "llama",
         mamba_checkpoint_alignment=16 if layout == "qwen3.5" else None,
+        speculative=(
+            Speculation("eagle", 3, disable_lookahead_block_hashes=True)
+            if layout and layout.endswith("EAGLE")
+            else None
+        ),
     )
     index = RoutingIndex()
     replicas = {}
