@@ -91,6 +91,8 @@ def free_port() -> int:
         ({"kinds": ["full_attention"] * 2, "lookup_sets": [[0]]}, "every group must be in one"),
         ({"lookup_sets": [0]}, "list of lists"),
         ({"use_eagle": 1}, "true or false"),
+        ({"eagle_groups": 0}, "list of group ids"),
+        ({"use_eagle": True, "eagle_groups": [1]}, "must be group ids"),
         ({"events": 5557}, "events must be a string"),
     ],
 )
