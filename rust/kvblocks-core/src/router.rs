@@ -157,7 +157,8 @@ impl RouterIndex {
                 new += 1;
             } else {
                 // `replica` < MAX_REPLICAS (64): it fits a byte.
-                *self.copies.entry((key, replica as u8)).or_insert(0) += 1;
+                let extra = self.copies.entry((key, replica as u8)).or_insert(0);
+                *extra = extra.saturating_add(1);
             }
         }
         if let Some(held) = self.held.get_mut(replica) {
