@@ -397,7 +397,7 @@ def test_hashing_a_prompt_apart(benchmark: Any) -> None:
 
 
 def test_bytes_per_block(fleet: dict[str, Any]) -> None:
-    """The table grown on demand (at most 7/8 full, growing by half), and one reserved for
+    """The table grown on demand (at most 7/8 full, growing by an eighth), and one reserved for
     the fleet's (replica, block) pairs, as a router that knows its replicas' pools sizes it."""
     index = fleet["indexes"]["rust"]
     pairs = sum(index.held(r) for r in range(REPLICAS))
@@ -416,7 +416,7 @@ def test_bytes_per_block(fleet: dict[str, Any]) -> None:
     assert index.num_keys > 500_000
     assert reserved.num_keys == index.num_keys
     # 12-byte slots (every replica id below 32), at most 7/8 full
-    assert index.table_bytes / index.num_keys < 12 * 8 / 7 * 1.5
+    assert index.table_bytes / index.num_keys <= 12 * 9 / 7  # at least 7/9 full as it grows
     assert reserved.table_bytes / pairs < 12 * 8 / 7 + 0.01
 
 
@@ -444,4 +444,4 @@ def test_millions_of_blocks_over_dozens_of_replicas() -> None:
         f"bytes per key, {index.table_bytes / pairs:.1f} per (replica, block); built in "
         f"{seconds:.2f} s with the hashes generated"
     )
-    assert index.table_bytes / index.num_keys < 16 * 8 / 7 * 1.5
+    assert index.table_bytes / index.num_keys <= 16 * 9 / 7

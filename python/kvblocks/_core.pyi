@@ -389,7 +389,7 @@ class RouterIndex:
     medium) key, the replicas (ids ``0`` to ``MAX_REPLICAS - 1``) that hold it. Block hashes
     are ``bytes`` (vLLM's) or ints (the last 8 bytes big-endian, as vLLM's KV events publish
     them by default). A key takes one 12-byte slot (16 once a replica id is 32 or more) in a
-    table at most 7/8 full, which grows by half; ``reserve(n)`` sizes it for ``n`` keys."""
+    table at most 7/8 full, which grows by an eighth; ``reserve(n)`` sizes it for ``n`` keys."""
 
     MAX_REPLICAS: ClassVar[int]
     def __new__(cls, seed: int = 0) -> RouterIndex: ...

@@ -3,7 +3,10 @@
 //!
 //! Open addressing with linear probing, at most 7/8 of the slots used; any number of slots
 //! (a key's home is its mix scaled to the slot count), so that a table reserved for a fleet's
-//! pools is sized to them, and a growing table grows by half. Keys and replica sets live in two arrays (so a narrow set is 4 bytes, not padded
+//! pools is sized to them, and a growing table grows by an eighth (so a table just grown has 7/9 of
+//! its slots used: at most 15.5 bytes a key with 12-byte slots until removals thin it; a growth moves
+//! every key, about eight moves per key over a table's growth, and briefly holds 2.1 times the
+//! table). Keys and replica sets live in two arrays (so a narrow set is 4 bytes, not padded
 //! to 8 next to its key); key 0 marks an empty slot, and the set of a key that is 0 is kept
 //! beside the arrays. A slot's home is a seeded mix of its key, so that a publisher that chooses its hashes
 //! cannot pile them into one run of slots. Removal shifts the following entries of the run
@@ -158,7 +161,7 @@ impl HolderTable {
             }
             Err(mut slot) => {
                 if (self.len - usize::from(self.zero != 0) + 1) * 8 > self.slots() * 7 {
-                    self.rebuild(self.slots() + self.slots() / 2, self.sets.is_wide());
+                    self.rebuild(self.slots() + self.slots() / 8, self.sets.is_wide());
                     slot = self.find(key).err().unwrap_or(0);
                 }
                 if let Some(k) = self.keys.get_mut(slot) {
