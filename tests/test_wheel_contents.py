@@ -32,6 +32,8 @@ ALLOWLIST = {
     # `kvblocks route` service on it.
     "kvblocks/router.py",
     "kvblocks/route.py",
+    # How long-running commands (`kvblocks route`) stop on SIGTERM and SIGINT.
+    "kvblocks/_signals.py",
     # kvblocks inside vLLM: the plugin, hasher (and the prompt hasher for frontends), manager,
     # scheduler hook, allowlist (support), status, the releases it supports and the
     # fingerprints of the vLLM rules it reproduces.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +24,7 @@ from typing import Any
 
 import kvblocks
 from kvblocks._install import install_hint
+from kvblocks._signals import StopSignals
 from kvblocks.engine_bench import compare, round_orders
 from kvblocks.engine_bench_report import plot, print_report
 from kvblocks.workloads import (
@@ -522,28 +522,23 @@ def _plot_vllm(result: Any, path: str) -> None:
 
 
 def route_command(args: argparse.Namespace) -> int:
-    """Serves ``kvblocks.route`` until interrupted."""
+    """Serves ``kvblocks.route`` until SIGTERM or SIGINT (status 0 whenever either arrives,
+    from here to exit: ``kvblocks._signals``)."""
+    stop = StopSignals()
     try:
         from kvblocks.route import load_fleet, serve
     except ImportError as error:  # pyzmq or msgspec missing
         raise ImportError(f"{error}; {install_hint('router')}") from None
     fleet = load_fleet(args.fleet)
-
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # SIGTERM stops it as Ctrl-C does: feeds and sockets closed
-
-    signal.signal(signal.SIGTERM, stop)
+    if stop.received is not None:  # stopped while starting: nothing to serve
+        return 0
     with serve(fleet, args.host, args.port) as running:
         print(
             f"kvblocks route: {len(fleet.replicas)} replicas, serving on {running.url} "
             "(POST /score, GET /replicas, GET /health)",
             flush=True,
         )
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+        stop.wait()  # then feeds and sockets close as the block ends
     return 0
 
 

@@ -27,6 +27,7 @@ import pytest
 
 from kvblocks.router import ReplicaFeed, ReplicaLayout, RoutingIndex
 from tests.fresh_process import CHECKOUT
+from tests.processes import Lines
 
 REPLICA = r"""
 import json, sys, time
@@ -141,6 +142,7 @@ class Replica:
             env=env,
             cwd=CHECKOUT,
         )
+        self.lines = Lines(self.process)
         hello = json.loads(self.read())
         self.none_hash = bytes.fromhex(hello["none_hash"])
         assert hello["manager"] == "kvblocks.vllm.kv_cache_manager"
@@ -151,10 +153,7 @@ class Replica:
         )
 
     def read(self) -> str:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line, f"the replica exited ({self.process.poll()})"
-        return line
+        return self.lines.next(timeout=120)
 
     def ask(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None

@@ -1,0 +1,54 @@
+"""How kvblocks' long-running commands (``kvblocks route``) stop on SIGTERM and SIGINT.
+
+A handler that raises (``KeyboardInterrupt`` from SIGTERM, as ``kvblocks route`` had) lets
+the exception out of whatever statement the main thread is in when the signal lands: between
+printing the "serving on" line and entering the ``try`` that caught it, the command died
+with a traceback and status -2. So the handlers here only note the signal. They are
+installed before the command does anything else (SIGINT's first, then SIGTERM's, so that a
+process catching SIGTERM catches both); a signal during start-up is noted, the command
+finishes starting, and :meth:`StopSignals.wait` returns at once; the command then closes what
+it opened and exits with status 0. Signals during shutdown are noted and change nothing.
+
+Blocking the signals instead (``pthread_sigmask`` and ``sigwait``) does not hold: threads
+started before the command runs (numpy's OpenBLAS pool, at import) do not block them, and
+the kernel delivers a process's SIGTERM to such a thread, where its default action ends the
+process.
+
+A signal that arrives before the command runs at all (the interpreter starting, ``kvblocks``
+being imported) ends the process as for any Python program.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+#: SIGINT first: see the module's documentation.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """Notes SIGINT and SIGTERM from construction on (in the main thread, where Python runs
+    signal handlers); ``wait`` returns the first to arrive."""
+
+    def __init__(self, poll_interval: float = 0.1) -> None:
+        self._received: int | None = None
+        self._poll_interval = poll_interval
+        for number in STOP_SIGNALS:
+            signal.signal(number, self._note)
+
+    def _note(self, number: int, frame: object) -> None:
+        if self._received is None:
+            self._received = number
+
+    @property
+    def received(self) -> int | None:
+        """The first stop signal that arrived, if any."""
+        return self._received
+
+    def wait(self) -> int:
+        """Blocks until SIGINT or SIGTERM has arrived (at once if one has); its number. The
+        handler interrupts the sleep, which then runs out its interval."""
+        while self._received is None:
+            time.sleep(self._poll_interval)
+        return self._received
