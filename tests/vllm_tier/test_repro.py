@@ -1,11 +1,11 @@
-"""Two scenarios where stock vLLM raises inside ``allocate_slots`` and kvblocks' manager goes
-on, found by a differential fuzz run of vLLM 0.33's scheduler (``data/*.json``: the
-configuration, the layout, the requests with their token ids, and stock vLLM's traceback).
-Replayed here on the driver's scheduler, on each vLLM release the tier runs on (``.ci/run``:
-0.33 and 0.34): stock vLLM raises at the step the file names,
-kvblocks' manager (active, nothing fell back) takes the documented decision there, the steps
-before are identical, and every allocation passes kvblocks' invariant (a violation raises).
-docs/vllm.md, "Where kvblocks differs", explains both."""
+"""Scenarios found by a differential fuzz run of vLLM 0.33's scheduler (``data/*.json``: the
+configuration, the layout, the requests with their token ids, and where the two sides parted).
+Two where stock vLLM raises inside ``allocate_slots`` and kvblocks' manager goes on, and one
+where kvblocks raised and stock vLLM went on (vLLM's Mamba table holds the null block where
+the worker writes a state). Replayed here on the driver's scheduler, on each vLLM release the
+tier runs on (``.ci/run``: 0.33 and 0.34), with kvblocks' manager active and nothing fallen
+back; every allocation passes kvblocks' invariant (a violation raises). docs/vllm.md, "Where
+kvblocks differs", explains all three."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import kvblocks.vllm
 from kvblocks.vllm import _state
 from tests.vllm_driver import SchedulerSpec
 from tests.vllm_driver.speculative import Speculation
-from tests.vllm_tier.harness import RequestSpec, Script, on_each_manager, play
+from tests.vllm_tier.harness import RequestSpec, Script, assert_same, on_each_manager, play
 
 DATA = Path(__file__).parent / "data"
 
@@ -151,4 +152,87 @@ def test_qwen35_checkpoints_ngram(model_dir: Path) -> None:
     assert scheduled(ours[crash]) == {"r0": 3}  # the sampled token and two drafts
     assert all(record[0] != "raised" for record in ours)
     # The request finished (3 tokens, every draft accepted).
+    assert finished(ours) == ["r0"]
+
+
+def mamba_null_states(scheduler: Any, out: Any) -> int:
+    """How many running or draft state columns of the Mamba groups the worker writes in this
+    step hold the null block, from the scheduler's own tables: per scheduled request, columns
+    ``cdiv(n, B) - 1`` to ``cdiv(n, B) - 1 + K`` once ``n`` tokens are computed and scheduled
+    (vLLM's ``preprocess_mamba``: the running state, then the ``K`` draft states)."""
+    computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    count = 0
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        spec = manager.kv_cache_spec
+        if type(spec).__name__ != "MambaSpec":
+            continue
+        for request_id, scheduled in out.num_scheduled_tokens.items():
+            n = computed[request_id] + scheduled
+            running = -(-n // spec.block_size) - 1
+            blocks = manager.req_to_blocks[request_id]
+            live = blocks[running : running + 1 + spec.num_speculative_blocks]
+            count += sum(block.is_null for block in live)
+    return count
+
+
+def test_qwen35_ngram_null_block(model_dir: Path) -> None:
+    """Three gated delta-net groups in align mode with full attention second, n-gram drafts
+    (k = 2) on 2-token blocks, one request (the file's; the driver's drafter with seed 3 and
+    a quarter of its guesses right gives the pattern the file's found). A step schedules
+    three tokens (one sampled, two drafts) that take the running column two columns on, so
+    vLLM's allocation moves the draft block left behind to the end of the table and nulls its
+    column; both drafts are rejected, and the next step's single token puts the running
+    column back onto that null column. vLLM's table is long enough, so its allocation keeps
+    it: the worker writes the request's state into the null block. kvblocks' tables are
+    vLLM's, step by step; its invariant used to call that table unsound and raise out of
+    ``schedule()``, ending an engine that stock vLLM kept serving. Now it counts each such
+    column as vLLM's own (``status().vllm_defects``) and goes on, identical to stock."""
+    found = scenario("qwen35-ngram-null-block")
+    config = found["scenario"]["config"]
+    kinds = {"mamba": ("mamba", 0), "full": ("full", 0)}
+    spec = SchedulerSpec(
+        block_size=config["block_size"],
+        num_blocks=config["num_blocks"],
+        layout=[kinds[g["kind"]] for g in found["scenario"]["layout"]["groups"]],
+        hash_algo=config["hash_algo"],
+        max_num_seqs=config["max_num_seqs"],
+        max_num_batched_tokens=config["max_num_batched_tokens"],
+        max_model_len=config["max_model_len"],
+        scheduler={
+            "long_prefill_token_threshold": config["long_prefill_token_threshold"],
+            "scheduler_reserve_full_isl": config["reserve_full_isl"],
+        },
+        speculative=Speculation("ngram", found["scenario"]["layout"]["spec"]["k"]),
+    )
+    assert spec.layout[1] == ("full", 0)  # full attention second, as in the file
+    script = Script(spec, requests_of(found), draft_accuracy=0.25, draft_seed=3)
+    null_states = []
+
+    def playing(scheduler: Any, hasher: Any) -> list[Any]:
+        schedule, seen = scheduler.schedule, []
+
+        def recorded() -> Any:
+            out = schedule()
+            seen.append(mamba_null_states(scheduler, out))
+            return out
+
+        scheduler.schedule = recorded
+        records = play(script, scheduler, hasher)  # no catch: an exception fails the test
+        null_states.append(seen)
+        return records
+
+    before = kvblocks.vllm.status().vllm_defects.get("mamba_null_state", 0)
+    stock, ours = on_each_manager(model_dir, spec, playing)
+    assert not _state.fallbacks, f"fell back: {dict(_state.fallbacks)}"
+    assert_same(stock, ours)
+    stock_nulls, our_nulls = null_states
+    assert stock_nulls == our_nulls
+    # vLLM's own tables hold the null block where the worker writes a state, three groups at
+    # a time; kvblocks counted every one of them.
+    assert sum(stock_nulls) >= 3
+    assert sum(stock_nulls) % 3 == 0
+    counted = kvblocks.vllm.status().vllm_defects.get("mamba_null_state", 0) - before
+    assert counted == sum(stock_nulls)
     assert finished(ours) == ["r0"]

@@ -82,6 +82,9 @@ class Status:
     active: dict[str, str] = field(default_factory=dict)
     #: ``"part: reason" -> count`` of fallbacks to vLLM's own code.
     fallbacks: dict[str, int] = field(default_factory=dict)
+    #: ``"defect" -> count`` of vLLM defects kvblocks saw and kept as vLLM has them (its
+    #: outputs stay identical to stock vLLM's), e.g. ``mamba_null_state``.
+    vllm_defects: dict[str, int] = field(default_factory=dict)
     #: Until vLLM loads the plugin in this process (an engine starting, or :func:`install`):
     #: the mode ``KVBLOCKS_VLLM`` will install then; None once loaded.
     pending_mode: str | None = None
@@ -97,6 +100,8 @@ class Status:
         text = f"kvblocks.vllm: mode={self.mode}, {vllm}: {parts}"
         for reason, count in self.fallbacks.items():
             text += f"\n  fallback x{count}: {reason}"
+        for defect, count in self.vllm_defects.items():
+            text += f"\n  vLLM defect kept x{count}: {defect}"
         return text
 
 
@@ -110,6 +115,7 @@ def status() -> Status:
             f"{part}: {_state.describe(part, reason)}": count
             for (part, reason), count in _state.fallbacks.items()
         },
+        vllm_defects=dict(_state.vllm_defects),
         pending_mode=None if _state.loaded else _configured_mode(),
     )
 

@@ -29,6 +29,10 @@ active: dict[str, str] = {}
 fallbacks: Counter[tuple[str, str]] = Counter()
 #: (part, reason) -> what the reason's text leaves out (e.g. which vLLM files changed).
 details: dict[tuple[str, str], str] = {}
+#: defect -> how often kvblocks saw vLLM's own rules do something a worker cannot run
+#: soundly, which kvblocks keeps as vLLM has it (its outputs stay identical to stock vLLM's);
+#: the texts are :data:`DEFECTS`.
+vllm_defects: Counter[str] = Counter()
 #: What was logged once already: (part, reason) of a fallback, or a :func:`log_once` key.
 _logged: set[tuple[str, str] | str] = set()
 
@@ -216,3 +220,20 @@ def log_once(key: str, level: int, message: str, *args: Any) -> None:
             return
         _logged.add(key)
     logger().log(level, message, *args)
+
+
+#: The vLLM defects kvblocks reproduces, counts in ``status()`` and logs once (WARNING).
+DEFECTS = {
+    "mamba_null_state": (
+        "vLLM's Mamba manager (prefix caching, mamba_cache_mode='align') kept a table whose "
+        "running or draft state column holds the null block after rejected drafts, so the "
+        "worker writes that request's state into the null block (vLLM 0.33 and 0.34 do the "
+        "same; docs/vllm.md, 'The null block in a Mamba table')"
+    ),
+}
+
+
+def note_vllm_defect(defect: str, count: int) -> None:
+    """Counts ``count`` occurrences of a vLLM defect (:data:`DEFECTS`); the first is logged."""
+    vllm_defects[defect] += count
+    log_once(f"defect:{defect}", logging.WARNING, "kvblocks: %s", DEFECTS[defect])

@@ -288,6 +288,7 @@ class KVCacheManager:
         self._mamba_prefix_caching = enable_caching and any(
             spec_kind(g.kv_cache_spec, g.role) == "mamba" for g in groups
         )
+        self._null_states = 0  # the core's count last seen (new_step_starts)
         # get_blocks gives the blocks' keys too once a KV connector is served.
         self._blocks_with_keys = False
         self.empty_kv_cache_blocks = self._core.empty_kv_cache_blocks
@@ -301,9 +302,13 @@ class KVCacheManager:
         """vLLM's: Mamba states cached before this step may be adopted as hits again (a
         request whose hit was cached during the step waits for the next one). Only Mamba
         groups with prefix caching keep such state; otherwise there is nothing to do and no
-        call into Rust."""
+        call into Rust. Rust also says how often its allocations have kept a null block in a
+        Mamba state column as vLLM's do (counted in ``status()``, logged once)."""
         if self._mamba_prefix_caching:
-            self._core.new_step_starts()
+            null_states = self._core.new_step_starts()
+            if null_states != self._null_states:
+                _state.note_vllm_defect("mamba_null_state", null_states - self._null_states)
+                self._null_states = null_states
 
     def _lookup_length(self, request: Request, max_cache_hit_length: int | None) -> int | None:
         """How many tokens a lookup may hit, or None where the request looks nothing up.

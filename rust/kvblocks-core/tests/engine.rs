@@ -332,7 +332,9 @@ fn apply(m: &mut KvCacheManager, requests: &mut HashMap<u8, Request>, op: &Op) {
                 r.admitted = false;
             }
         }
-        Op::NewStep => m.new_step_starts(),
+        Op::NewStep => {
+            m.new_step_starts();
+        }
         Op::Reset => {
             // Idle: no request holds a real block (a table of null blocks only holds none:
             // external tokens a chunk or window already skipped get none).

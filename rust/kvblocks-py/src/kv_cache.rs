@@ -752,10 +752,12 @@ impl PyKvCacheManager {
     }
 
     /// vLLM's `new_step_starts`, at the start of every scheduler step: Mamba states cached
-    /// before it may be adopted as prefix hits again.
-    fn new_step_starts(&self) -> PyResult<()> {
-        self.lock()?.new_step_starts();
-        Ok(())
+    /// before it may be adopted as prefix hits again. Returns how many times so far an
+    /// allocation left a Mamba running or draft state column holding the null block by
+    /// vLLM's own rule (after rejected drafts; the worker writes that state into the null
+    /// block).
+    fn new_step_starts(&self) -> PyResult<u64> {
+        Ok(self.lock()?.new_step_starts())
     }
 
     /// vLLM's `take_new_block_ids`: the attention groups' blocks allocated since the last

@@ -186,7 +186,8 @@ impl KvCacheCoordinator {
             taken: free_before.saturating_sub(self.pool.num_free_blocks()),
         };
         let counted = needed.max(taken).saturating_add(copied as i64);
-        self.check_allocation(held, &allocation, counted)?;
+        let left_null = self.check_allocation(held, &allocation, counted)?;
+        self.vllm_null_states = self.vllm_null_states.saturating_add(left_null as u64);
         Ok(true)
     }
 

@@ -8,12 +8,15 @@
 //! block, not free, not out of the pool), and that the call took no more free blocks than it
 //! counted (vLLM's contract that the admission count predicts the allocation). A violation is
 //! [`CoreError::Unsound`] naming the group: a bug, never a bad argument, and never silent.
+//! One exception is vLLM's own rule and kept as vLLM has it: a Mamba group's live column that
+//! vLLM leaves null after rejected drafts ([`super::mamba::vllm_left_null`]); the check counts
+//! those instead.
 //!
 //! The check reads only the columns this call added or must have (a few per group in a decode
 //! step), so it stays on in release builds; debug builds (the tests) also check every block
 //! of every table the call returns.
 
-use super::{AttentionKind, KvCacheCoordinator, RequestBlocks};
+use super::{mamba, AttentionKind, KvCacheCoordinator, RequestBlocks};
 use crate::pool::NULL_BLOCK;
 use crate::{CoreError, CoreResult};
 
@@ -52,12 +55,15 @@ fn unsound(group: usize, what: String) -> CoreError {
 impl KvCacheCoordinator {
     /// Checks what a successful allocation must leave (see the module's documentation);
     /// `counted` is the count the call admitted the request with, extra blocks included.
+    /// Returns how many live Mamba columns hold the null block by vLLM's own rule
+    /// ([`mamba::vllm_left_null`]).
     pub(super) fn check_allocation(
         &self,
         held: &RequestBlocks,
         call: &Allocation,
         counted: i64,
-    ) -> CoreResult<()> {
+    ) -> CoreResult<usize> {
+        let mut left_null = 0;
         if call.taken as i64 > counted.max(0) {
             return Err(CoreError::Unsound(format!(
                 "the allocation took {} free blocks after counting {counted}",
@@ -81,13 +87,14 @@ impl KvCacheCoordinator {
                 Some(align) => {
                     // The running state's column and the K speculative ones after it; the
                     // checkpoint column; on a first allocation the loaded state's column.
-                    let running = call.main.div_ceil(b).saturating_sub(1);
+                    let checkpoint = group.mamba.checkpoint.map(|(_, column)| column);
+                    let columns = align.columns(call.main, checkpoint.is_some());
                     let loaded = (call.first && call.total > 0 && call.total == call.computed)
                         .then(|| (call.total - 1) / b);
-                    let checkpoint = group.mamba.checkpoint.map(|(_, column)| column);
-                    (running + 1 + align.speculative_blocks, running, [checkpoint, loaded])
+                    (columns.required, columns.running, [checkpoint, loaded])
                 }
             };
+            let len_before = self.new_from.get(g).copied().unwrap_or(0);
             if blocks.len() < need {
                 return Err(unsound(
                     g,
@@ -97,6 +104,14 @@ impl KvCacheCoordinator {
             let columns = (live_from..need).chain(also.into_iter().flatten());
             for column in columns {
                 let block = blocks.get(column).copied().unwrap_or(NULL_BLOCK);
+                if block == NULL_BLOCK
+                    && align.is_some()
+                    && (live_from..need).contains(&column)
+                    && mamba::vllm_left_null(column, len_before, call.first)
+                {
+                    left_null += 1;
+                    continue;
+                }
                 if !self.pool.is_in_use(block) {
                     return Err(unsound(
                         g,
@@ -118,6 +133,6 @@ impl KvCacheCoordinator {
                 }
             }
         }
-        Ok(())
+        Ok(left_null)
     }
 }

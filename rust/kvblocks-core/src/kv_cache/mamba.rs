@@ -221,12 +221,14 @@ pub(super) fn num_blocks_taken(
     touched + loaded + columns.required.saturating_sub(columns.padded(before))
 }
 
-/// The columns of a chunk ending at `main` tokens (vLLM's align-mode `allocate_new_blocks`).
-struct Columns {
+/// The columns of a chunk ending at `main` tokens (vLLM's align-mode `allocate_new_blocks`,
+/// and the worker's: it writes the running state to column `cdiv(main, B) - 1` and the draft
+/// tokens' states to the `K` columns after it).
+pub(super) struct Columns {
     /// The table's length once the chunk is allocated: the running state's column and the
     /// `K` speculative ones after it.
-    required: usize,
-    running: usize,
+    pub required: usize,
+    pub running: usize,
     /// The first column the chunk keeps: the checkpoint's, else the running state's.
     keep_from: usize,
 }
@@ -244,7 +246,7 @@ impl Columns {
 }
 
 impl Align {
-    fn columns(&self, main: usize, checkpoint: bool) -> Columns {
+    pub(super) fn columns(&self, main: usize, checkpoint: bool) -> Columns {
         let k = self.speculative_blocks;
         let required = main.div_ceil(self.block_size) + k;
         let running = required.saturating_sub(k + 1);
@@ -257,6 +259,11 @@ impl Align {
 /// chunk writes one. Columns between the table's end and those are null; speculative blocks
 /// left behind are moved to the end of the table (the worker reads them there), their old
 /// columns nulled; fresh blocks fill the rest.
+///
+/// A table already long enough (and no checkpoint) is kept as it is, whatever its columns
+/// hold: after rejected drafts move the running column back onto a column a relocation
+/// emptied, that column is null and the worker writes the state into the null block (see
+/// [`vllm_left_null`]).
 pub(super) fn allocate_new_blocks(
     align: &Align,
     pool: &mut BlockPool,
@@ -290,6 +297,17 @@ pub(super) fn allocate_new_blocks(
         blocks.extend(pool.get_new_blocks(missing));
     }
     mamba.allocated = true;
+}
+
+/// Whether a null block at `column` of a live range (the running state's and the draft
+/// states' columns) is vLLM's own doing rather than kvblocks': vLLM fills every column it
+/// appends to a table, so a null live column is one the table held before this call
+/// (`len_before`) on a request already running (not a first allocation). There only a
+/// relocation can have emptied it, and only below the running column of the call that
+/// relocated: rejected drafts took the running column back. vLLM 0.33 and 0.34 keep such a
+/// table (docs/vllm.md, "The null block in a Mamba table").
+pub(super) fn vllm_left_null(column: usize, len_before: usize, first: bool) -> bool {
+    !first && column < len_before
 }
 
 /// vLLM's align-mode `remove_skipped_blocks`: once `num_processed` tokens are done, every

@@ -319,9 +319,11 @@ impl KvCacheManager {
         done
     }
 
-    /// vLLM's `new_step_starts` (see [`KvCacheCoordinator::new_step_starts`]).
-    pub fn new_step_starts(&mut self) {
+    /// vLLM's `new_step_starts` (see [`KvCacheCoordinator::new_step_starts`]); returns
+    /// [`KvCacheCoordinator::vllm_null_states`].
+    pub fn new_step_starts(&mut self) -> u64 {
         self.coordinator.new_step_starts();
+        self.coordinator.vllm_null_states()
     }
 
     /// vLLM's `record_blocks_for_zeroing` for `request_id` (see

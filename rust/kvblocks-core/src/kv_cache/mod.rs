@@ -93,6 +93,9 @@ pub struct KvCacheCoordinator {
     /// The Mamba states the last `allocate_slots` or `cache_blocks` registered as full
     /// blocks (see [`Self::last_boundary_states`]).
     boundary_states: Vec<BoundaryState>,
+    /// Live Mamba columns that allocations left holding the null block by vLLM's own rule
+    /// (`mamba::vllm_left_null`), since the coordinator was made.
+    vllm_null_states: u64,
 }
 
 impl KvCacheCoordinator {
@@ -132,6 +135,7 @@ impl KvCacheCoordinator {
             any_align,
             cached_this_step: mamba::StepKeys::default(),
             boundary_states: Vec::new(),
+            vllm_null_states: 0,
         })
     }
 
@@ -157,5 +161,13 @@ impl KvCacheCoordinator {
 
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.pool.take_events()
+    }
+
+    /// How many times an allocation left a Mamba group's running or draft state column
+    /// holding the null block, as vLLM's own allocation does after rejected drafts (the
+    /// worker then writes that request's state into the null block; docs/vllm.md, "The null
+    /// block in a Mamba table").
+    pub fn vllm_null_states(&self) -> u64 {
+        self.vllm_null_states
     }
 }
