@@ -7,8 +7,10 @@ published. The schedulers, requests and fake model come from :mod:`tests.vllm_dr
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,6 +28,8 @@ from tests.vllm_driver import Drafter, FakeModel, drafter_for, snapshot
 
 #: The two sides of every comparison: stock vLLM, and vLLM with kvblocks installed.
 IMPLS = ("vllm", "kvblocks")
+#: Where the last exception :func:`run` caught was raised (``"file.py:function"``).
+last_raise: str | None = None
 
 
 @contextmanager
@@ -186,6 +190,9 @@ def run(
                 raise
             # both managers must raise alike: the same exception, the same message
             steps.append(("raised", type(error).__name__, str(error)))
+            global last_raise
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            last_raise = f"{Path(frame.filename).name}:{frame.name}"
             return steps
         steps.append((snap, *outputs, recorder.take(), reset, results, tables))
     else:

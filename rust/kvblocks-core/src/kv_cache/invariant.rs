@@ -106,7 +106,6 @@ impl KvCacheCoordinator {
                 let block = blocks.get(column).copied().unwrap_or(NULL_BLOCK);
                 if block == NULL_BLOCK
                     && align.is_some()
-                    && (live_from..need).contains(&column)
                     && mamba::vllm_left_null(column, len_before, call.first)
                 {
                     left_null += 1;

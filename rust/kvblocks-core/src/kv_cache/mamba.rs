@@ -299,13 +299,14 @@ pub(super) fn allocate_new_blocks(
     mamba.allocated = true;
 }
 
-/// Whether a null block at `column` of a live range (the running state's and the draft
-/// states' columns) is vLLM's own doing rather than kvblocks': vLLM fills every column it
+/// Whether a null block at a live `column` (the running state's, a draft state's or the
+/// checkpoint's) is vLLM's own doing rather than kvblocks': vLLM fills every column it
 /// appends to a table, so a null live column is one the table held before this call
 /// (`len_before`) on a request already running (not a first allocation). There only a
-/// relocation can have emptied it, and only below the running column of the call that
-/// relocated: rejected drafts took the running column back. vLLM 0.33 and 0.34 keep such a
-/// table (docs/vllm.md, "The null block in a Mamba table").
+/// relocation or the padding before a running column can have left it null, and vLLM keeps
+/// such a column as it is: after rejected drafts took the running column back onto it, or
+/// when a decode step with drafts arms a checkpoint in it. vLLM 0.33 and 0.34 do both
+/// (docs/vllm.md, "The null block in a Mamba table").
 pub(super) fn vllm_left_null(column: usize, len_before: usize, first: bool) -> bool {
     !first && column < len_before
 }
