@@ -464,6 +464,8 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
     input_processor = InputProcessor(vllm_config)
     supported_tasks = engine.get_supported_tasks()
 
+    fault = os.environ.get("KVBLOCKS_TEST_FAULT")
+    faulted = None
     pending = workload()
     requests = []
     outputs: list[list[Any]] = []
@@ -491,6 +493,12 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
             requests.append(request)
         if not pending and not scheduler.has_requests():
             break
+        if fault == "manager" and step == FAULT_STEP:
+            # Test only (a test-faults build): the running request with the most tokens
+            # still to sample gets an unsound allocation in this step's schedule().
+            victim = max(scheduler.running, key=lambda r: r.max_tokens - r.num_output_tokens)
+            scheduler.kv_cache_manager._core._plant_fault(victim.request_id)
+            faulted = victim.request_id
         engine_outputs, executed = engine.step()
         engine.post_step(executed)
         step_outputs = []
@@ -548,6 +556,8 @@ def drive_engine(model_dir: Path) -> dict[str, Any]:
         "manager": type(scheduler.kv_cache_manager).__module__,
         "hasher": getattr(engine.request_block_hasher, "__module__", None),
         "status": str(kvblocks.vllm.status()),
+        "contained_errors": kvblocks.vllm.status().contained_errors,
+        "faulted": faulted,
         # What external routers read of the groups (EngineCore's own method).
         "group_metadata": engine.get_kv_cache_group_metadata(),
         "speculation": {
@@ -782,6 +792,44 @@ def test_engine_core_starts_when_kvblocks_hasher_breaks(tmp_path: Path) -> None:
     assert off["run"] == on["run"], "vLLM alone != with kvblocks at " + first_difference(
         off["run"], on["run"]
     )
+
+
+#: The step at whose schedule() the manager fault is planted (requests are decoding then).
+FAULT_STEP = 14
+
+
+@pytest.mark.parametrize("layout", ["llama", "qwen3.5-align"])
+def test_an_unsound_allocation_costs_one_request(tmp_path: Path, layout: str) -> None:
+    """kvblocks' check finds a request's allocation unsound mid-run (a fault planted by the
+    test-only hook of a ``test-faults`` build: a block of the request's own table freed
+    before the check). Inside the real EngineCore, the engine goes on: that request is
+    finished with vLLM's ``FinishReason.ERROR`` (a retryable ``RequestError``) at the end of
+    the step, and every other request samples exactly what it samples with vLLM alone;
+    ``status()`` counts one contained error; the process exits cleanly."""
+    processes = {
+        "off": run_engine("off", tmp_path, layout, ""),
+        "all": run_engine("all", tmp_path, layout, "", fault="manager"),
+    }
+    off, on = engine_results(processes, tmp_path)
+    assert on["manager"] == "kvblocks.vllm.kv_cache_manager"
+    victim = on["faulted"]
+    assert victim is not None
+    assert on["contained_errors"] == 1
+    assert "finished with an error by kvblocks' check (its bug): 1" in on["status"]
+    stock_run, our_run = off["run"], on["run"]
+    assert our_run["finish_reasons"][victim] == "error"
+    assert stock_run["finish_reasons"][victim] == "length"
+    # It stopped early, after what it had sampled (at most one token after the fault).
+    stock_tokens, our_tokens = stock_run["tokens"][victim], our_run["tokens"][victim]
+    assert len(our_tokens) < len(stock_tokens)
+    assert our_tokens == stock_tokens[: len(our_tokens)]
+    others = set(stock_run["tokens"]) - {victim}
+    assert len(others) == 19
+    for request_id in others:
+        assert our_run["tokens"][request_id] == stock_run["tokens"][request_id], request_id
+        assert our_run["finish_reasons"][request_id] == stock_run["finish_reasons"][request_id]
+    # Up to the faulted step, the two runs scheduled alike.
+    assert our_run["scheduler_outputs"][:FAULT_STEP] == stock_run["scheduler_outputs"][:FAULT_STEP]
 
 
 if __name__ == "__main__":

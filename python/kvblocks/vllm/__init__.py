@@ -85,6 +85,9 @@ class Status:
     #: ``"defect" -> count`` of vLLM defects kvblocks saw and kept as vLLM has them (its
     #: outputs stay identical to stock vLLM's), e.g. ``mamba_null_state``.
     vllm_defects: dict[str, int] = field(default_factory=dict)
+    #: Requests finished with an error because kvblocks' own check found their allocation
+    #: unsound (kvblocks' bug; the engine went on: docs/vllm.md, "When kvblocks fails").
+    contained_errors: int = 0
     #: Until vLLM loads the plugin in this process (an engine starting, or :func:`install`):
     #: the mode ``KVBLOCKS_VLLM`` will install then; None once loaded.
     pending_mode: str | None = None
@@ -102,6 +105,11 @@ class Status:
             text += f"\n  fallback x{count}: {reason}"
         for defect, count in self.vllm_defects.items():
             text += f"\n  vLLM defect kept x{count}: {defect}"
+        if self.contained_errors:
+            text += (
+                f"\n  requests finished with an error by kvblocks' check (its bug): "
+                f"{self.contained_errors}"
+            )
         return text
 
 
@@ -116,6 +124,7 @@ def status() -> Status:
             for (part, reason), count in _state.fallbacks.items()
         },
         vllm_defects=dict(_state.vllm_defects),
+        contained_errors=_state.contained_errors,
         pending_mode=None if _state.loaded else _configured_mode(),
     )
 

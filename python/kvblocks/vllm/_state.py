@@ -33,6 +33,9 @@ details: dict[tuple[str, str], str] = {}
 #: soundly, which kvblocks keeps as vLLM has it (its outputs stay identical to stock vLLM's);
 #: the texts are :data:`DEFECTS`.
 vllm_defects: Counter[str] = Counter()
+#: How many requests kvblocks finished with an error because its own check found their
+#: allocation unsound (the engine went on; see :func:`note_contained`).
+contained_errors = 0
 #: What was logged once already: (part, reason) of a fallback, or a :func:`log_once` key.
 _logged: set[tuple[str, str] | str] = set()
 
@@ -237,3 +240,21 @@ def note_vllm_defect(defect: str, count: int) -> None:
     """Counts ``count`` occurrences of a vLLM defect (:data:`DEFECTS`); the first is logged."""
     vllm_defects[defect] += count
     log_once(f"defect:{defect}", logging.WARNING, "kvblocks: %s", DEFECTS[defect])
+
+
+def note_contained(request_id: str, message: str, context: str) -> None:
+    """Counts a request kvblocks finished with an error for an unsound allocation; the first
+    is logged at ERROR with what a report needs and how to turn kvblocks off."""
+    global contained_errors
+    contained_errors += 1
+    log_once(
+        "contained",
+        logging.ERROR,
+        "kvblocks: %s. Request %s is finished with an error (retryable) and the engine goes "
+        "on; this is kvblocks' bug, not vLLM's: please report it with this line (%s). "
+        "Further such requests are counted in kvblocks.vllm.status(), not logged. "
+        "KVBLOCKS_VLLM=off (or hasher) runs vLLM's own KV-cache manager.",
+        message,
+        request_id,
+        context,
+    )

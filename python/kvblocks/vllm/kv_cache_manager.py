@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import kvblocks._core as _core
 import kvblocks.vllm._state as _state
+import kvblocks.vllm.versions as versions
 from kvblocks._core import KVCacheBlockIds, KVCacheGroup
 from kvblocks.vllm.support import Unsupported, spec_kind, unsupported_manager_arguments
 
@@ -295,6 +297,51 @@ class KVCacheManager:
         self.coordinator = _Coordinator(specs, eagle_group_ids, self._core)
         self.block_pool = _BlockPool(self._core)
         self._events: list[KVCacheEvent] = []
+
+    def contain_errors_in(self, scheduler: Any) -> bool:
+        """Finishes a request whose allocation fails kvblocks' check with an error, through
+        ``scheduler``'s own per-request error channel (``grammar_compile_error_reqs``, which
+        its ``update_from_output`` finishes with ``FINISHED_ERROR`` and hands to the client
+        as vLLM's ``RequestError``), instead of raising out of ``schedule()``. The request
+        keeps a table safe for the worker until then (only its own blocks, null blocks where
+        it has none). Where this vLLM has no such channel, the error is raised as before and
+        one WARNING says so. Returns whether errors are contained."""
+        try:
+            from vllm.outputs import RequestError
+
+            if not isinstance(scheduler.grammar_compile_error_reqs, dict):
+                raise TypeError("Scheduler.grammar_compile_error_reqs is not a dict")
+        except Exception as error:
+            _state.log_once(
+                "contain_unavailable",
+                logging.WARNING,
+                "kvblocks: an internal error in kvblocks' KV-cache manager will stop the engine "
+                "instead of one request: this vLLM has no per-request error channel kvblocks "
+                "knows (%s)",
+                _state.error_detail(error),
+            )
+            return False
+        owner = weakref.ref(scheduler)
+        context = ", ".join(
+            [
+                f"vllm {versions.installed_vllm_version()}",
+                f"kvblocks {_core.__version__}",
+                *(f"{part}: {detail}" for part, detail in _state.active.items()),
+            ]
+        )
+
+        def contained(request_id: str, message: str) -> None:
+            _state.note_contained(request_id, message, context)
+            held = owner()
+            if held is not None:
+                held.grammar_compile_error_reqs[request_id] = RequestError(
+                    code="internal_error",
+                    message=f"kvblocks: {message} (the request was stopped; retry it)",
+                    retryable=True,
+                )
+
+        self._core.contain_errors(contained)
+        return True
 
     # -- what the scheduler calls every step -------------------------------------------------
 

@@ -119,11 +119,24 @@ def _describe(manager: KVCacheManager, vllm_config: Any) -> str:
     return f"{groups}{size}-token blocks, {caching}{eagle}{connector}"
 
 
+def _contain_errors(scheduler: Any) -> None:
+    """A scheduler on kvblocks' manager finishes a request whose allocation fails kvblocks'
+    check with an error instead of stopping (``KVCacheManager.contain_errors_in``)."""
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    contain = getattr(manager, "contain_errors_in", None)
+    if contain is not None and type(manager).__module__ == "kvblocks.vllm.kv_cache_manager":
+        try:
+            contain(scheduler)
+        except Exception as error:  # never break vLLM's start-up
+            _state.fall_back(_PART, Reason.GUARD_ERROR, _state.error_detail(error))
+
+
 def _asking_init(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         with _asking(vllm_config):
             init(self, vllm_config, *args, **kwargs)
+        _contain_errors(self)
 
     __init__.__kvblocks_wrapped__ = True  # type: ignore[attr-defined]
     return __init__
@@ -177,6 +190,7 @@ class Scheduler(_vllm_scheduler_class("Scheduler")):  # type: ignore[misc]
         install_factory()
         with _asking(vllm_config):
             super().__init__(vllm_config, *args, **kwargs)
+        _contain_errors(self)
 
 
 class AsyncScheduler(_vllm_scheduler_class("AsyncScheduler")):  # type: ignore[misc]
@@ -187,3 +201,4 @@ class AsyncScheduler(_vllm_scheduler_class("AsyncScheduler")):  # type: ignore[m
         install_factory()
         with _asking(vllm_config):
             super().__init__(vllm_config, *args, **kwargs)
+        _contain_errors(self)

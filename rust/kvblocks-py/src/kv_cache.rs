@@ -291,6 +291,9 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 #[pyclass(frozen, module = "kvblocks._core", name = "KVCacheManager")]
 pub struct PyKvCacheManager {
     inner: Mutex<KvCacheManager>,
+    /// What `contain_errors` set: called with `(request_id, message)` for each request whose
+    /// allocation failed its check, instead of raising.
+    on_contained: Mutex<Option<Py<PyAny>>>,
     /// The shared "no blocks" result, returned by identity as vLLM's manager does.
     empty: Py<PyKvCacheBlockIds>,
     /// The request statuses the watermark applies to (vLLM's WAITING and PREEMPTED).
@@ -439,6 +442,7 @@ impl PyKvCacheManager {
         let watermark = config.watermark_blocks > 0;
         Ok(Self {
             inner: Mutex::new(KvCacheManager::new(config)?),
+            on_contained: Mutex::new(None),
             empty: Py::new(
                 py,
                 PyKvCacheBlockIds { groups: vec![Vec::new(); num_groups], keys: None },
@@ -600,8 +604,39 @@ impl PyKvCacheManager {
             .map_or_else(Vec::new, |ids| ids.get().groups.iter().map(Vec::as_slice).collect());
         let mut manager = lock_attached(py, &self.inner)?;
         let new = manager.allocate_slots(request_id, &state, &args, &hits, &hashes)?;
+        let contained = manager.take_contained();
         drop(manager);
+        if !contained.is_empty() {
+            let handler = lock(&self.on_contained)?.as_ref().map(|h| h.clone_ref(py));
+            if let Some(handler) = handler {
+                for (request_id, message) in contained {
+                    handler.call1(py, (request_id, message))?;
+                }
+            }
+        }
         Ok(new.map(|ids| self.blocks(py, ids)).transpose()?)
+    }
+
+    /// Contains an allocation that fails kvblocks' check (a bug of kvblocks', "a block table
+    /// is unsound") to its request: instead of raising, `allocate_slots` gives the request a
+    /// table safe to hand to a worker (only blocks it holds, null blocks where it holds none)
+    /// and calls `handler(request_id, message)`, whose caller finishes the request with an
+    /// error. `None` turns it off (the error is raised, as by default).
+    #[pyo3(signature = (handler, /))]
+    fn contain_errors(&self, handler: Option<Py<PyAny>>) -> PyResult<()> {
+        let mut manager = self.lock()?;
+        manager.contain_unsound(handler.is_some());
+        *lock(&self.on_contained)? = handler;
+        Ok(())
+    }
+
+    /// Test-only (the `test-faults` feature): `request_id`'s next allocation frees a block its
+    /// table alone holds before kvblocks' check runs, as a bug in a rule would leave it.
+    #[cfg(feature = "test-faults")]
+    #[pyo3(signature = (request_id, /))]
+    fn _plant_fault(&self, request_id: &str) -> PyResult<()> {
+        self.lock()?.plant_fault(request_id);
+        Ok(())
     }
 
     /// vLLM's `pop_blocks_for_free`: forgets the request and returns its blocks (each group's

@@ -40,8 +40,10 @@ impl KvCacheCoordinator {
     /// first, whatever the outcome); an error changes no block or table (only
     /// [`Self::last_registered`], which describes every call, failed ones included), but for
     /// [`CoreError::Unsound`]: a table the allocation left does not hold what its request
-    /// needs (a bug, caught after the fact: see `invariant`). `hits` are the prefix hits per
-    /// group (none: no group has any).
+    /// needs (a bug, caught after the fact: see `invariant`), after which each table of the
+    /// request holds only blocks it references and null blocks, at least as many columns as
+    /// its tokens need (`make_safe`), and the blocks this call took are still its own.
+    /// `hits` are the prefix hits per group (none: no group has any).
     pub fn allocate_slots(
         &mut self,
         held: &mut RequestBlocks,
@@ -186,9 +188,18 @@ impl KvCacheCoordinator {
             taken: free_before.saturating_sub(self.pool.num_free_blocks()),
         };
         let counted = needed.max(taken).saturating_add(copied as i64);
-        let left_null = self.check_allocation(held, &allocation, counted)?;
-        self.vllm_null_states = self.vllm_null_states.saturating_add(left_null as u64);
-        Ok(true)
+        match self.check_allocation(held, &allocation, counted) {
+            Ok(left_null) => {
+                self.vllm_null_states = self.vllm_null_states.saturating_add(left_null as u64);
+                Ok(true)
+            }
+            Err(error) => {
+                // The request keeps what it holds, in a table safe to hand on (its own KV
+                // is lost); the caller decides whether to finish it or to raise.
+                self.make_safe(held, &allocation);
+                Err(error)
+            }
+        }
     }
 
     /// Blocks for `external` connector-provided tokens after `local` computed ones, per group

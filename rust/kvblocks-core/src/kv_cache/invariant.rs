@@ -52,7 +52,74 @@ fn unsound(group: usize, what: String) -> CoreError {
     CoreError::Unsound(format!("group {group}: {what}"))
 }
 
+/// The columns one group of a request must hold after an allocation.
+struct Live {
+    /// The table's length at least.
+    need: usize,
+    /// The first of the columns up to `need` that must hold a live block.
+    live_from: usize,
+    /// Further columns that must be live (a Mamba group's checkpoint and loaded state).
+    also: [Option<usize>; 2],
+}
+
 impl KvCacheCoordinator {
+    /// What group `g` of a request must hold once `call` allocated (see the module's
+    /// documentation).
+    fn live_columns(&self, g: usize, group: &super::GroupBlocks, call: &Allocation) -> Live {
+        let Some(spec) = self.config.groups.get(g) else {
+            return Live { need: 0, live_from: 0, also: [None, None] };
+        };
+        let b = spec.block_size;
+        match self.align.get(g).copied().flatten() {
+            None => {
+                let need = (call.slots + spec.kind.extra_slots(b)).div_ceil(b);
+                let live = first_read(spec.kind, call.computed) / b;
+                let from = if call.first { 0 } else { self.new_from.get(g).copied().unwrap_or(0) };
+                // At least the last column, unless the window reads none of them.
+                Live {
+                    need,
+                    live_from: from.min(need.saturating_sub(1)).max(live),
+                    also: [None; 2],
+                }
+            }
+            Some(align) => {
+                // The running state's column and the K speculative ones after it; the
+                // checkpoint column; on a first allocation the loaded state's column.
+                let checkpoint = group.mamba.checkpoint.map(|(_, column)| column);
+                let columns = align.columns(call.main, checkpoint.is_some());
+                let loaded = (call.first && call.total > 0 && call.total == call.computed)
+                    .then(|| (call.total - 1) / b);
+                Live {
+                    need: columns.required,
+                    live_from: columns.running,
+                    also: [checkpoint, loaded],
+                }
+            }
+        }
+    }
+
+    /// After a failed check: makes every table of the request safe to hand to a worker, at
+    /// the price of its own KV. Each column the call must hold exists, and each holds a
+    /// block the request references or the null block (a table one block short gets null
+    /// columns; a column holding a block nobody references gets the null block), so the
+    /// worker writes nothing into another request's blocks or into a cached block, and
+    /// freeing the request later releases exactly what it holds.
+    pub(super) fn make_safe(&self, held: &mut RequestBlocks, call: &Allocation) {
+        for g in 0..held.groups.len() {
+            let Some(group) = held.groups.get(g) else { continue };
+            let need = self.live_columns(g, group, call).need;
+            let Some(group) = held.groups.get_mut(g) else { continue };
+            if group.blocks.len() < need {
+                group.blocks.resize(need, NULL_BLOCK);
+            }
+            for block in &mut group.blocks {
+                if *block != NULL_BLOCK && !self.pool.is_in_use(*block) {
+                    *block = NULL_BLOCK;
+                }
+            }
+        }
+    }
+
     /// Checks what a successful allocation must leave (see the module's documentation);
     /// `counted` is the count the call admitted the request with, extra blocks included.
     /// Returns how many live Mamba columns hold the null block by vLLM's own rule
@@ -70,30 +137,10 @@ impl KvCacheCoordinator {
                 call.taken
             )));
         }
-        let groups = self.config.groups.iter().zip(&held.groups).zip(&self.align);
-        for (g, ((spec, group), align)) in groups.enumerate() {
+        for (g, group) in held.groups.iter().enumerate() {
             let blocks = &group.blocks;
-            let b = spec.block_size;
-            // The columns the group must hold, and the first of them that must be live.
-            let (need, live_from, also) = match align {
-                None => {
-                    let need = (call.slots + spec.kind.extra_slots(b)).div_ceil(b);
-                    let live = first_read(spec.kind, call.computed) / b;
-                    let from =
-                        if call.first { 0 } else { self.new_from.get(g).copied().unwrap_or(0) };
-                    // At least the last column, unless the window reads none of them.
-                    (need, from.min(need.saturating_sub(1)).max(live), [None, None])
-                }
-                Some(align) => {
-                    // The running state's column and the K speculative ones after it; the
-                    // checkpoint column; on a first allocation the loaded state's column.
-                    let checkpoint = group.mamba.checkpoint.map(|(_, column)| column);
-                    let columns = align.columns(call.main, checkpoint.is_some());
-                    let loaded = (call.first && call.total > 0 && call.total == call.computed)
-                        .then(|| (call.total - 1) / b);
-                    (columns.required, columns.running, [checkpoint, loaded])
-                }
-            };
+            let Live { need, live_from, also } = self.live_columns(g, group, call);
+            let align = self.align.get(g).copied().flatten();
             let len_before = self.new_from.get(g).copied().unwrap_or(0);
             if blocks.len() < need {
                 return Err(unsound(

@@ -16,7 +16,7 @@ use super::{
 use super::{AnyCached, RequestState};
 use crate::hashing::BlockHash;
 use crate::pool::{BlockPool, DigestHasher, KvEvent};
-use crate::CoreResult;
+use crate::{CoreError, CoreResult};
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
@@ -42,6 +42,16 @@ pub struct KvCacheManager {
     boundary_states: Vec<(String, BoundaryState)>,
     /// [`Self::num_cached_tokens`]'s last answer per request.
     probes: IdMap<Probe>,
+    /// Whether an unsound allocation is contained to its request (see
+    /// [`Self::contain_unsound`]) instead of raised.
+    contain: bool,
+    /// The requests whose allocation was unsound since the last [`Self::take_contained`],
+    /// with what was wrong.
+    contained: Vec<(String, String)>,
+    /// A test's planted fault: the request whose next allocation frees a block of its own
+    /// table before the check (`test-faults` builds only).
+    #[cfg(feature = "test-faults")]
+    fault: Option<String>,
 }
 
 /// What a probe found of a request's cached prefix: the pool's removal count then, and the
@@ -64,7 +74,32 @@ impl KvCacheManager {
             events: Vec::new(),
             boundary_states: Vec::new(),
             probes: IdMap::default(),
+            contain: false,
+            contained: Vec::new(),
+            #[cfg(feature = "test-faults")]
+            fault: None,
         })
+    }
+
+    /// With `contain`, an allocation that fails its check ([`CoreError::Unsound`]) does not
+    /// raise: the request keeps a table safe to hand to a worker (see
+    /// [`KvCacheCoordinator::allocate_slots`]), the call returns its new blocks as if it had
+    /// succeeded, and the request and the error wait in [`Self::take_contained`] for the
+    /// layer above to finish the request with an error.
+    pub fn contain_unsound(&mut self, contain: bool) {
+        self.contain = contain;
+    }
+
+    /// The requests contained since the last call, each with the error's text.
+    pub fn take_contained(&mut self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.contained)
+    }
+
+    /// A test's fault: `request_id`'s next allocation frees a block its table holds alone
+    /// before the check runs, which the check must catch (`test-faults` builds only).
+    #[cfg(feature = "test-faults")]
+    pub fn plant_fault(&mut self, request_id: &str) {
+        self.fault = Some(request_id.to_owned());
     }
 
     pub fn config(&self) -> &CoordinatorConfig {
@@ -173,7 +208,36 @@ impl KvCacheManager {
                 .entry(request_id.to_owned())
                 .or_insert_with(|| RequestBlocks::new(num_groups)),
         };
+        #[cfg(feature = "test-faults")]
+        let allocated = if self.fault.as_deref() == Some(request_id) {
+            self.fault = None;
+            self.coordinator.allocate_slots_with_fault(
+                held,
+                request,
+                args,
+                hits,
+                hashes,
+                |pool, held| {
+                    let sole = held.groups.iter().flat_map(|g| g.blocks.iter().rev()).copied();
+                    let sole = sole
+                        .filter(|&b| b != crate::pool::NULL_BLOCK)
+                        .find(|&b| pool.ref_cnt(b) == 1);
+                    pool.free_blocks(sole.into_iter());
+                },
+            )
+        } else {
+            self.coordinator.allocate_slots(held, request, args, hits, hashes)
+        };
+        #[cfg(not(feature = "test-faults"))]
         let allocated = self.coordinator.allocate_slots(held, request, args, hits, hashes);
+        let allocated = match allocated {
+            Err(CoreError::Unsound(what)) if self.contain => {
+                let error = CoreError::Unsound(what).for_request(request_id);
+                self.contained.push((request_id.to_owned(), error.to_string()));
+                Ok(true)
+            }
+            other => other,
+        };
         let new = match allocated {
             Ok(true) => Some(self.coordinator.new_blocks(held).map(<[u32]>::to_vec).collect()),
             _ => None,

@@ -755,6 +755,51 @@ fn a_planted_under_allocation_is_caught_naming_the_group() {
 }
 
 #[test]
+fn an_unsound_allocation_leaves_a_table_safe_for_the_worker() {
+    // The two faults the check catches: a table one block short (the pool ran dry halfway)
+    // and a column holding a block nobody references. After the error each table covers its
+    // tokens and holds only blocks the request references or the null block, so freeing the
+    // request returns every block it holds (the one each fault left outside any table stays
+    // taken).
+    let (request, args) = sync_load();
+    let hashes = hashes(1..2);
+    let faults: [fn(&mut BlockPool, &mut RequestBlocks); 2] = [
+        |pool, _| {
+            pool.get_new_blocks(1);
+        },
+        |pool, held| {
+            // The full-attention group's loaded block replaced by the free queue's last block
+            // (the one this call takes last, if at all), the block it held left taken.
+            held.groups[3].blocks[0] = pool.free_block_ids().last().unwrap();
+        },
+    ];
+    for (i, fault) in faults.into_iter().enumerate() {
+        // (A pool large enough that the freed block is not handed out again in the call.)
+        let mut coordinator = jamba(if i == 0 { 9 } else { 40 });
+        let free_before = coordinator.num_free_blocks();
+        let mut held = RequestBlocks::new(4);
+        // A first allocation adopts the external tokens' blocks before the fault runs.
+        let done = coordinator.allocate_slots_with_fault(
+            &mut held,
+            &request,
+            &args,
+            &[],
+            &hashes[..],
+            fault,
+        );
+        assert!(matches!(done, Err(CoreError::Unsound(_))), "fault {i}: {done:?}");
+        assert!(held.groups[3].blocks.len() >= 2, "fault {i}: {:?}", held.groups[3]);
+        for group in &held.groups {
+            for &block in &group.blocks {
+                assert!(block == NULL_BLOCK || coordinator.pool().is_in_use(block), "{block}");
+            }
+        }
+        coordinator.free(held);
+        assert_eq!(coordinator.num_free_blocks(), free_before - 1);
+    }
+}
+
+#[test]
 fn the_invariant_names_a_short_table_and_a_block_no_request_holds() {
     // Planted directly into a table the coordinator just allocated (a bug in a rule would leave
     // the same): one block short in the full-attention group, then a column holding a free
