@@ -39,6 +39,8 @@ An untimed pass (``--benchmark-disable``) runs the layouts other than the one-gr
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -353,7 +355,9 @@ def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> N
     """One decode step's ``allocate_slots`` calls (one new token for every running request),
     made directly in a steady decode state, without the per-call timers of the runs above;
     the floor variant makes the same calls to :func:`allocate_slots_floor` (on stock vLLM's
-    scheduler), and kvblocks' row reports its time over the floor's."""
+    scheduler), and kvblocks' row reports its time over the floor's. kvblocks' row also
+    reports the share of the step that its always-on check of every allocation takes: the
+    step timed with the check on and off in alternation (:func:`check_share`)."""
     # 93 shared blocks + 256 x 33 own ones per group: every request runs, none is preempted.
     spec = SchedulerSpec(
         block_size=16,
@@ -394,4 +398,26 @@ def test_decode_allocate_slots(benchmark: Any, installed: str, layout: str) -> N
     _label(benchmark, case, installed)
     if installed == "kvblocks":
         benchmark.extra_info["floors"] = [[case, FLOOR]]
+        if not benchmark.disabled:
+            share = check_share(scheduler.kv_cache_manager._core, step)
+            benchmark.extra_info["shares"] = {"kvblocks' allocation check": share}
     benchmark(step)
+
+
+def check_share(core: Any, step: Callable[[], None], rounds: int = 301) -> float:
+    """The share of ``step`` that kvblocks' check of every allocation takes: ``step`` timed
+    with the check on and off in alternation (``_core.KVCacheManager._check_allocations``,
+    benchmark only), ``1 - median(off) / median(on)``. A repeated decode call allocates
+    nothing new (the request's computed tokens do not move), so every round does the same
+    work; alternating cancels drift on a shared machine."""
+    on, off = [], []
+    try:
+        for _ in range(rounds):
+            for enabled, times in ((True, on), (False, off)):
+                core._check_allocations(enabled)
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+    finally:
+        core._check_allocations(True)
+    return 1 - statistics.median(off) / statistics.median(on)

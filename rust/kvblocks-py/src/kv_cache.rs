@@ -630,6 +630,15 @@ impl PyKvCacheManager {
         Ok(())
     }
 
+    /// Benchmark-only: turns kvblocks' check of every allocation off (or on again), so that
+    /// `benches/bench_vllm.py` measures what the check costs in one run. Never in serving:
+    /// the check is what keeps an unsound table from the worker.
+    #[pyo3(signature = (enabled, /))]
+    fn _check_allocations(&self, enabled: bool) -> PyResult<()> {
+        self.lock()?.set_check(enabled);
+        Ok(())
+    }
+
     /// Test-only (the `test-faults` feature): `request_id`'s next allocation frees a block its
     /// table alone holds before kvblocks' check runs, as a bug in a rule would leave it.
     #[cfg(feature = "test-faults")]

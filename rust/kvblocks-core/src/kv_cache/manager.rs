@@ -90,6 +90,11 @@ impl KvCacheManager {
         self.contain = contain;
     }
 
+    /// See [`KvCacheCoordinator::set_check`] (benchmarks only).
+    pub fn set_check(&mut self, check: bool) {
+        self.coordinator.set_check(check);
+    }
+
     /// The requests contained since the last call, each with the error's text.
     pub fn take_contained(&mut self) -> Vec<(String, String)> {
         std::mem::take(&mut self.contained)

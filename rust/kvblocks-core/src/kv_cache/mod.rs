@@ -93,6 +93,9 @@ pub struct KvCacheCoordinator {
     /// The Mamba states the last `allocate_slots` or `cache_blocks` registered as full
     /// blocks (see [`Self::last_boundary_states`]).
     boundary_states: Vec<BoundaryState>,
+    /// Whether every allocation is checked (`invariant`; always, but in a benchmark that
+    /// measures what the check costs: [`Self::set_check`]).
+    check: bool,
     /// Live Mamba columns that allocations left holding the null block by vLLM's own rule
     /// (`mamba::vllm_left_null`), since the coordinator was made.
     vllm_null_states: u64,
@@ -135,6 +138,7 @@ impl KvCacheCoordinator {
             any_align,
             cached_this_step: mamba::StepKeys::default(),
             boundary_states: Vec::new(),
+            check: true,
             vllm_null_states: 0,
         })
     }
@@ -161,6 +165,12 @@ impl KvCacheCoordinator {
 
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.pool.take_events()
+    }
+
+    /// Turns the check of every allocation off or on again: for a benchmark that measures its
+    /// cost, never in serving (the check is what keeps an unsound table from a worker).
+    pub fn set_check(&mut self, check: bool) {
+        self.check = check;
     }
 
     /// How many times an allocation left a Mamba group's running or draft state column
