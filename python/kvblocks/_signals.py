@@ -7,7 +7,8 @@ with a traceback and status -2. So the handlers here only note the signal. They 
 installed before the command does anything else (SIGINT's first, then SIGTERM's, so that a
 process catching SIGTERM catches both); a signal during start-up is noted, the command
 finishes starting, and :meth:`StopSignals.wait` returns at once; the command then closes what
-it opened and exits with status 0. Signals during shutdown are noted and change nothing.
+it opened and exits with status 0. Signals during shutdown are ignored (a stuck shutdown
+still yields to SIGKILL; each of the command's own joins is bounded).
 
 Blocking the signals instead (``pthread_sigmask`` and ``sigwait``) does not hold: threads
 started before the command runs (numpy's OpenBLAS pool, at import) do not block them, and
@@ -48,7 +49,12 @@ class StopSignals:
 
     def wait(self) -> int:
         """Blocks until SIGINT or SIGTERM has arrived (at once if one has); its number. The
-        handler interrupts the sleep, which then runs out its interval."""
+        handler interrupts the sleep, which then runs out its interval. From then on both
+        signals are ignored: the command is stopping, and Python's finalization resets a
+        signal with a Python handler to its default action (a second SIGTERM while the
+        interpreter exits would kill the process), but leaves an ignored one ignored."""
         while self._received is None:
             time.sleep(self._poll_interval)
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
         return self._received

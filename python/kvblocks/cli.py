@@ -531,6 +531,7 @@ def route_command(args: argparse.Namespace) -> int:
         raise ImportError(f"{error}; {install_hint('router')}") from None
     fleet = load_fleet(args.fleet)
     if stop.received is not None:  # stopped while starting: nothing to serve
+        stop.wait()
         return 0
     with serve(fleet, args.host, args.port) as running:
         print(
