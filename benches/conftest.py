@@ -21,6 +21,11 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--ratios-md", default=None, help="write the ratio table as markdown here")
+    parser.addoption(
+        "--engine-json",
+        default=None,
+        help="bench_vllm_engine.py: write its rows as JSON here (for benches/plot_engine.py)",
+    )
 
 
 def _ratio_rows(benchmarks: list[Any]) -> list[tuple[str, str, str, float]]:

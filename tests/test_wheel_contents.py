@@ -59,6 +59,8 @@ ALLOWLIST = {
     "kvblocks/vllm/bench/logs.py",
     "kvblocks/vllm/bench/platform.py",
     "kvblocks/vllm/bench/timing.py",
+    # vLLM's engine-core loop on a modelled device, replayed (benches/bench_vllm_engine.py).
+    "kvblocks/vllm/bench/engine_loop.py",
     # The pure-Python reference (kvblocks.reference): the baseline users compare against.
     "kvblocks/reference/__init__.py",
     "kvblocks/reference/_args.py",
