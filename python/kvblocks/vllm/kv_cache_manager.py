@@ -20,6 +20,7 @@ vLLM's KV-event publisher and metrics work unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -331,7 +332,6 @@ class KVCacheManager:
         )
 
         def contained(request_id: str, message: str) -> None:
-            _state.note_contained(request_id, message, context)
             held = owner()
             if held is not None:
                 held.grammar_compile_error_reqs[request_id] = RequestError(
@@ -339,6 +339,9 @@ class KVCacheManager:
                     message=f"kvblocks: {message} (the request was stopped; retry it)",
                     retryable=True,
                 )
+            # A failing log handler must not reach vLLM's schedule().
+            with contextlib.suppress(Exception):
+                _state.note_contained(request_id, message, context)
 
         self._core.contain_errors(contained)
         return True
