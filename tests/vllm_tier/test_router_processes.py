@@ -121,29 +121,41 @@ class Replica:
     def __init__(
         self, num_blocks: int, ports: tuple[int, int] | None = None, layout: Any = "llama"
     ) -> None:
-        self.ports = ports or (free_port(), free_port())
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([CHECKOUT, os.environ.get("PYTHONPATH", "")]),
         }
         env.pop("KVBLOCKS_VLLM", None)
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                REPLICA,
-                *map(str, self.ports),
-                str(num_blocks),
-                json.dumps(layout),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=CHECKOUT,
-        )
-        self.lines = Lines(self.process)
-        hello = json.loads(self.read())
+        for attempt in range(3):
+            self.ports = ports or (free_port(), free_port())
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    REPLICA,
+                    *map(str, self.ports),
+                    str(num_blocks),
+                    json.dumps(layout),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=CHECKOUT,
+            )
+            self.lines = Lines(self.process)
+            try:
+                hello = json.loads(self.read())
+                break
+            except AssertionError:
+                # Ports this process chose may be taken before the replica binds them: a
+                # replica that exited at start-up gets new ones (given ports are the test's).
+                try:
+                    exited = self.process.wait(10) is not None
+                except subprocess.TimeoutExpired:
+                    exited = False
+                if ports is not None or not exited or attempt == 2:
+                    raise
         self.none_hash = bytes.fromhex(hello["none_hash"])
         assert hello["manager"] == "kvblocks.vllm.kv_cache_manager"
         fields = hello["layout"]
