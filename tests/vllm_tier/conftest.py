@@ -56,10 +56,15 @@ def _unpatched() -> None:
 
 @pytest.fixture(autouse=True)
 def _vllm_unpatched() -> Iterator[None]:
-    """Every test starts and ends with vLLM's own code in place."""
+    """Every test starts and ends with vLLM's own code in place; and no allocation of
+    kvblocks' manager in this process failed its check during the test (inside vLLM a failed
+    check finishes the request with an error instead of raising: ``contained_errors``, which
+    only the fault tests, in processes of their own, may move)."""
     _unpatched()
+    contained = _state.contained_errors
     yield
     _unpatched()
+    assert _state.contained_errors == contained, "an allocation failed kvblocks' check"
 
 
 @pytest.fixture(params=[False, True])

@@ -89,7 +89,11 @@ def on_each_manager(
                 lookahead = scheduler.vllm_config.num_hash_lookahead_tokens
                 hasher = block_hasher(spec.hash_algo, spec.block_size, lookahead)
                 assert hasher.__module__ == HASHER_MODULES[impl]
+                # Inside vLLM a failed allocation check finishes the request with an error
+                # instead of raising (status().contained_errors): here it must never happen.
+                contained = _state.contained_errors
                 results.append(play(scheduler, hasher))
+                assert _state.contained_errors == contained, "an allocation failed its check"
     stock_arguments, ours_arguments = arguments
     assert ours_arguments == stock_arguments
     return results

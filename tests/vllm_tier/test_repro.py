@@ -4,8 +4,8 @@ Two where stock vLLM raises inside ``allocate_slots`` and kvblocks' manager goes
 where kvblocks raised and stock vLLM went on (vLLM's Mamba table holds the null block where
 the worker writes a state). Replayed here on the driver's scheduler, on each vLLM release the
 tier runs on (``.ci/run``: 0.33 and 0.34), with kvblocks' manager active and nothing fallen
-back; every allocation passes kvblocks' invariant (a violation raises). docs/vllm.md, "Where
-kvblocks differs", explains all three."""
+back; every allocation passes kvblocks' invariant (the tier's fixtures check that none
+failed). docs/vllm.md, "Where kvblocks differs", explains all three."""
 
 from __future__ import annotations
 
