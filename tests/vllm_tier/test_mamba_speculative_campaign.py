@@ -149,6 +149,24 @@ def run_scenario(model_dir: Path, script: Script) -> tuple[str, int]:
     return "stock raised", raised
 
 
+#: Scenarios the long campaign found, as (seed, index of the scenario drawn): each runs on
+#: every release the tier runs. (11275, 7293): vLLM 0.34 passed ``allocate_slots`` a
+#: negative ``reserved_blocks`` (the blocks its parked async loads still need, a sum of
+#: counts that may be negative), which kvblocks refused with an OverflowError out of
+#: ``schedule()`` (CPU offloading, n-gram k=4, preemption).
+FOUND = [(11275, 7293)]
+
+
+@pytest.mark.parametrize(("seed", "index"), FOUND)
+def test_found_scenario(model_dir: Path, seed: int, index: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(index + 1):
+        choice, script = scenario(rng)
+    outcome, steps = run_scenario(model_dir, script)
+    assert outcome in ("same", "stock raised"), (outcome, choice)
+    assert steps > 0
+
+
 def test_mamba_speculative_cross_product(
     model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

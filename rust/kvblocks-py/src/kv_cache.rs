@@ -569,7 +569,7 @@ impl PyKvCacheManager {
         delay_cache_blocks: bool,
         num_encoder_tokens: usize,
         full_sequence_must_fit: bool,
-        reserved_blocks: usize,
+        reserved_blocks: i64,
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> GlueResult<Option<Py<PyKvCacheBlockIds>>> {

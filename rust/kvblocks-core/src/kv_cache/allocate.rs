@@ -15,7 +15,10 @@ pub struct AllocateArgs {
     pub num_new_tokens: usize,
     pub num_new_computed_tokens: usize,
     pub num_lookahead_tokens: usize,
-    pub reserved_blocks: usize,
+    /// Free blocks to leave for other in-flight sequences (vLLM 0.34's async KV loads). vLLM
+    /// sums per-request counts that may be negative (a request holding more than its next
+    /// step needs), and a negative reservation leaves more room: `needed > free - reserved`.
+    pub reserved_blocks: i64,
     pub full_sequence_must_fit: bool,
     pub delay_cache_blocks: bool,
     /// Whether any request is already scheduled this step (the watermark applies only then).
@@ -140,9 +143,9 @@ impl KvCacheCoordinator {
         };
         // vLLM's `needed + watermark > free - reserved` (the count may be negative); and
         // never more blocks than are free (where vLLM's count falls short, its pool runs dry).
-        let extra = copied.saturating_add(watermark).saturating_add(args.reserved_blocks);
+        let extra = (copied.saturating_add(watermark) as i64).saturating_add(args.reserved_blocks);
         let free_before = self.pool.num_free_blocks();
-        if needed.saturating_add(extra as i64) > free_before as i64
+        if needed.saturating_add(extra) > free_before as i64
             || taken.saturating_add(copied as i64) > free_before as i64
         {
             return Ok(false);

@@ -335,6 +335,30 @@ fn more_reserved_blocks_than_free_refuse_even_an_allocation_that_needs_none() {
 }
 
 #[test]
+fn a_negative_reservation_leaves_more_room_as_vllms_does() {
+    // vLLM 0.34 sums the blocks its parked async loads still need, counts that may be
+    // negative, and admits where `needed + watermark <= free - reserved`. 5 free blocks, a
+    // watermark of 3, a waiting request needing 3: refused without a reservation (3 + 3 > 5),
+    // admitted with -1 (3 + 3 <= 5 + 1). kvblocks still never takes more than are free.
+    let config =
+        CoordinatorConfig { watermark_blocks: 3, ..CoordinatorConfig::single_group(6, 4, 1 << 20) };
+    let none: &[&[u32]] = &[&[]];
+    let args = |reserved_blocks: i64| AllocateArgs {
+        num_new_tokens: 12,
+        has_scheduled_reqs: true,
+        reserved_blocks,
+        ..Default::default()
+    };
+    let mut m = KvCacheManager::new(config.clone()).unwrap();
+    assert_eq!(m.allocate_slots("a", &state(12), &args(0), none, &[][..]).unwrap(), None);
+    let new = m.allocate_slots("a", &state(12), &args(-1), none, &[][..]).unwrap();
+    assert_eq!(new, Some(vec![vec![1, 2, 3]]));
+    let mut m = KvCacheManager::new(config).unwrap();
+    let six = AllocateArgs { num_new_tokens: 24, ..args(-100) };
+    assert_eq!(m.allocate_slots("a", &state(24), &six, none, &[][..]).unwrap(), None);
+}
+
+#[test]
 fn hits_must_have_a_lookups_shape() {
     // Full attention (group 0) and a window of 8 (group 1), block 4: five blocks cached.
     let mut m = manager(30, vec![full(4), window(4, 8)]);
