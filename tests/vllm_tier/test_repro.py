@@ -27,6 +27,23 @@ def scenario(name: str) -> dict[str, Any]:
     return document
 
 
+def spec_of(found: dict[str, Any], **kwargs: Any) -> SchedulerSpec:
+    """The scheduler of a file's scenario: its sizes and budgets, ``kwargs`` the rest."""
+    config = found["scenario"]["config"]
+    return SchedulerSpec(
+        block_size=config["block_size"],
+        hash_algo=config["hash_algo"],
+        max_num_seqs=config["max_num_seqs"],
+        max_num_batched_tokens=config["max_num_batched_tokens"],
+        max_model_len=config["max_model_len"],
+        scheduler={
+            "long_prefill_token_threshold": config["long_prefill_token_threshold"],
+            "scheduler_reserve_full_isl": config["reserve_full_isl"],
+        },
+        **kwargs,
+    )
+
+
 def requests_of(found: dict[str, Any]) -> list[RequestSpec]:
     return [
         RequestSpec(
@@ -85,18 +102,10 @@ def test_jamba_offload_preempt(model_dir: Path) -> None:
     # decode a little longer here, and the pool is 3 blocks smaller, so that r3 comes back to
     # 7 free blocks as in the file.
     requests[0].max_tokens, requests[1].max_tokens = 3, 4
-    spec = SchedulerSpec(
-        block_size=config["block_size"],
+    spec = spec_of(
+        found,
         num_blocks=config["num_blocks"] - 3,
         layout=[("mamba", 0)] * 3 + [("full", 0)],
-        hash_algo=config["hash_algo"],
-        max_num_seqs=config["max_num_seqs"],
-        max_num_batched_tokens=config["max_num_batched_tokens"],
-        max_model_len=config["max_model_len"],
-        scheduler={
-            "long_prefill_token_threshold": config["long_prefill_token_threshold"],
-            "scheduler_reserve_full_isl": config["reserve_full_isl"],
-        },
         kv_offloading=offload["chunks"],
         kv_offloading_config={"sync_load_budget_bytes": offload["sync_load_budget"]},
     )
@@ -192,18 +201,10 @@ def test_qwen35_ngram_null_block(model_dir: Path) -> None:
     found = scenario("qwen35-ngram-null-block")
     config = found["scenario"]["config"]
     kinds = {"mamba": ("mamba", 0), "full": ("full", 0)}
-    spec = SchedulerSpec(
-        block_size=config["block_size"],
+    spec = spec_of(
+        found,
         num_blocks=config["num_blocks"],
         layout=[kinds[g["kind"]] for g in found["scenario"]["layout"]["groups"]],
-        hash_algo=config["hash_algo"],
-        max_num_seqs=config["max_num_seqs"],
-        max_num_batched_tokens=config["max_num_batched_tokens"],
-        max_model_len=config["max_model_len"],
-        scheduler={
-            "long_prefill_token_threshold": config["long_prefill_token_threshold"],
-            "scheduler_reserve_full_isl": config["reserve_full_isl"],
-        },
         speculative=Speculation("ngram", found["scenario"]["layout"]["spec"]["k"]),
     )
     assert spec.layout[1] == ("full", 0)  # full attention second, as in the file
