@@ -312,6 +312,9 @@ class KVCacheManager:
 
             if not isinstance(scheduler.grammar_compile_error_reqs, dict):
                 raise TypeError("Scheduler.grammar_compile_error_reqs is not a dict")
+            # Built once here, so that a vLLM whose RequestError takes other fields turns
+            # containment off at start-up instead of raising inside schedule().
+            RequestError(code="internal_error", message="kvblocks", retryable=True)
         except Exception as error:
             _state.log_once(
                 "contain_unavailable",
