@@ -1,4 +1,4 @@
-"""``kvblocks route`` (kvblocks.route): the fleet file, the HTTP answers, and a replica's KV
+"""``kvblocks route`` (kvblocks.router): the fleet file, the HTTP answers, and a replica's KV
 events arriving over ZMQ as vLLM's ``ZmqEventPublisher`` sends them (``[topic, seq, batch]``,
 the batch msgpack-encoded as vLLM's ``KVEventBatch``: ``[ts, [event, ...], dp_rank]`` with each
 event a map tagged ``type``), here written by hand with msgspec and pyzmq. The same service
@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from kvblocks._core import BlockHasher
-from kvblocks.route import RouteService, load_fleet, serve
+from kvblocks.router.fleet import load_fleet
+from kvblocks.router.scorer import RouteService, serve
 
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")

@@ -28,10 +28,13 @@ ALLOWLIST = {
     "kvblocks/kv_events.py",
     "kvblocks/stats.py",
     "kvblocks/step.py",
-    # The routing index for fleets of vLLM replicas (on the native RouterIndex), and the
-    # `kvblocks route` service on it.
-    "kvblocks/router.py",
-    "kvblocks/route.py",
+    # The router package: the routing index for fleets of vLLM replicas (on the native
+    # RouterIndex), its event feeds, the fleet file and the `kvblocks route` service.
+    "kvblocks/router/__init__.py",
+    "kvblocks/router/index.py",
+    "kvblocks/router/feeds.py",
+    "kvblocks/router/fleet.py",
+    "kvblocks/router/scorer.py",
     # How long-running commands (`kvblocks route`) stop on SIGTERM and SIGINT.
     "kvblocks/_signals.py",
     # kvblocks inside vLLM: the plugin, hasher (and the prompt hasher for frontends), manager,

@@ -8,7 +8,7 @@
 ``kvblocks bench-hashing``  times block hashing, Rust against the pure-Python reference.
 ``kvblocks hash``   prints the chained block hashes of a JSON list of token ids.
 ``kvblocks route``  answers best-replica queries for a fleet of vLLM replicas over HTTP, from
-                    their KV event streams (kvblocks.route; needs pip install "kvblocks[router]").
+                    their KV event streams (kvblocks.router; needs pip install "kvblocks[router]").
 """
 
 from __future__ import annotations
@@ -522,11 +522,12 @@ def _plot_vllm(result: Any, path: str) -> None:
 
 
 def route_command(args: argparse.Namespace) -> int:
-    """Serves ``kvblocks.route`` until SIGTERM or SIGINT (status 0 whenever either arrives,
+    """Serves ``kvblocks.router.scorer`` until SIGTERM or SIGINT (status 0 whenever either arrives,
     from here to exit: ``kvblocks._signals``)."""
     stop = StopSignals()
     try:
-        from kvblocks.route import load_fleet, serve
+        from kvblocks.router.fleet import load_fleet
+        from kvblocks.router.scorer import serve
     except ImportError as error:  # pyzmq or msgspec missing
         raise ImportError(f"{error}; {install_hint('router')}") from None
     fleet = load_fleet(args.fleet)
@@ -768,7 +769,7 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "route", help="answer best-replica queries for a fleet of vLLM replicas over HTTP"
     )
-    r.add_argument("fleet", help="the fleet's JSON file (see kvblocks.route)")
+    r.add_argument("fleet", help="the fleet's JSON file (see kvblocks.router.fleet)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8100)
     r.set_defaults(func=route_command)

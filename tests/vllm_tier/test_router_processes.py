@@ -348,12 +348,13 @@ def test_hybrid_replicas_over_zmq(fleet: Any) -> None:
 
 
 def test_kvblocks_route_over_http_routes_real_replicas(fleet: Any) -> None:
-    """``kvblocks route`` (kvblocks.route.serve) following two replica processes: for a trace
+    """``kvblocks route`` (kvblocks.router.scorer) following two replica processes: for a trace
     routed mostly by its HTTP answers, each replica's scheduler takes the hit the answer
     predicted for it."""
     import urllib.request
 
-    from kvblocks.route import load_fleet, serve
+    from kvblocks.router.fleet import load_fleet
+    from kvblocks.router.scorer import serve
 
     replicas, _feeds = fleet
     for _ in range(2):
