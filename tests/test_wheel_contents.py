@@ -29,12 +29,15 @@ ALLOWLIST = {
     "kvblocks/stats.py",
     "kvblocks/step.py",
     # The router package: the routing index for fleets of vLLM replicas (on the native
-    # RouterIndex), its event feeds, the fleet file and the `kvblocks route` service.
+    # RouterIndex), its event feeds, the fleet file, the `kvblocks route` service and the
+    # endpoint picker for Envoy (the Gateway API Inference Extension).
     "kvblocks/router/__init__.py",
     "kvblocks/router/index.py",
     "kvblocks/router/feeds.py",
     "kvblocks/router/fleet.py",
     "kvblocks/router/scorer.py",
+    "kvblocks/router/picker.py",
+    "kvblocks/router/openai.py",
     # How long-running commands (`kvblocks route`) stop on SIGTERM and SIGINT.
     "kvblocks/_signals.py",
     # kvblocks inside vLLM: the plugin, hasher (and the prompt hasher for frontends), manager,

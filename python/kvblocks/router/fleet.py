@@ -17,7 +17,10 @@ is registered but nothing updates it); its engine's ``PrefixHashConfig``: ``hash
 that one must be given); and its KV-cache groups, as :class:`kvblocks.router.ReplicaLayout`
 takes them (``kinds``, default one full-attention group; ``block_size``, default the hash
 block size; ``sliding_window`` and ``attention_chunk_size`` where a group needs them;
-``lookup_sets``; ``use_eagle`` and ``eagle_groups``).
+``lookup_sets``; ``use_eagle`` and ``eagle_groups``); optionally ``models``, the model names
+(LoRA adapters included) the replica serves, as requests name them in ``model``: the endpoint
+picker (:mod:`kvblocks.router.picker`) sends a request only to a replica that serves its model
+(without ``models``, a replica serves any).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class ReplicaSpec:
     url: str | None = None
     events: str | None = None
     replay: str | None = None
+    #: The model names it serves (None: any).
+    models: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ _REPLICA_FIELDS = frozenset(
         "lookup_sets",
         "use_eagle",
         "eagle_groups",
+        "models",
     }
 )
 
@@ -142,6 +148,11 @@ def _replica_spec(entry: Any, where: str) -> ReplicaSpec:
         layout.hit_rule(block)  # bad lookup sets fail here, naming the replica
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
+    models = entry.get("models")
+    if models is not None and not (
+        isinstance(models, list) and all(isinstance(m, str) and m for m in models)
+    ):
+        raise ValueError(f"{where}: models must be a list of model names, got {models!r}")
     return ReplicaSpec(
         name=name,
         prefix_hash_config=config,
@@ -149,6 +160,7 @@ def _replica_spec(entry: Any, where: str) -> ReplicaSpec:
         url=_str_field(entry, "url", where),
         events=_str_field(entry, "events", where),
         replay=_str_field(entry, "replay", where),
+        models=None if models is None else tuple(models),
     )
 
 
