@@ -488,7 +488,21 @@ class KVCacheManager:
         self._collect_events(request)
         return blocks
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    @functools.cached_property
+    def cache_blocks(self) -> Callable[[Request, int], None]:
+        """vLLM's ``cache_blocks`` (vLLM's arguments), which vLLM's scheduler calls for every
+        running request after every async step. With caching on and no KV events it is
+        Rust's ``_core.KVCacheManager.cache_blocks`` itself (no Python frame between, as for
+        :attr:`allocate_slots`), which returns after reading the request's id and hashes on
+        a step where none of its blocks filled. Otherwise :meth:`_cache_blocks_in_python`."""
+        if self.enable_caching and not self.enable_kv_cache_events:
+            cache: Callable[[Request, int], None] = self._core.cache_blocks
+            return cache
+        return self._cache_blocks_in_python
+
+    def _cache_blocks_in_python(self, request: Request, num_computed_tokens: int) -> None:
+        """``cache_blocks`` without caching (nothing to do) or with KV events (Rust registers,
+        then the call's events become vLLM's event objects)."""
         if self.enable_caching:
             self._core.cache_blocks(request, num_computed_tokens)
             if self.enable_kv_cache_events:

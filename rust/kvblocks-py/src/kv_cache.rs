@@ -693,20 +693,26 @@ impl PyKvCacheManager {
         ))
     }
 
-    /// vLLM's `cache_blocks`: registers the request's full blocks up to `num_tokens` tokens.
-    #[pyo3(signature = (request, num_tokens, /))]
+    /// vLLM's `cache_blocks` (vLLM's arguments): registers the request's full blocks up to
+    /// `num_computed_tokens` tokens. vLLM calls it for every running request after every
+    /// async step; on a step where none of the request's blocks filled it reads only the
+    /// request's id and hashes and returns.
+    #[pyo3(signature = (request, num_computed_tokens))]
     fn cache_blocks<'py>(
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
-        num_tokens: usize,
+        num_computed_tokens: usize,
     ) -> GlueResult<()> {
         let request_id = request.getattr(intern!(py, "request_id"))?;
         let request_id = request_id.cast::<PyString>().map_err(PyErr::from)?.to_str()?;
         let block_hashes = request.getattr(intern!(py, "block_hashes"))?;
-        let state = self.request_state(py, request, false)?;
         let hashes = hashes_arg(&block_hashes)?;
-        Ok(self.lock()?.cache_blocks(request_id, &state, num_tokens, &hashes)?)
+        if !self.lock()?.cache_blocks_due(request_id, num_computed_tokens, hashes.len()) {
+            return Ok(());
+        }
+        let state = self.request_state(py, request, false)?;
+        Ok(self.lock()?.cache_blocks(request_id, &state, num_computed_tokens, &hashes)?)
     }
 
     /// vLLM's `remove_skipped_blocks`: frees the blocks no later token reads once

@@ -94,13 +94,45 @@ impl KvCacheCoordinator {
         if !self.config.enable_caching {
             return Ok(Keys::default());
         }
-        let end = hashes.len().min(num_tokens / self.config.block_size());
-        let first = held.groups.iter().map(|g| g.num_cached.unwrap_or(0)).min().unwrap_or(0);
+        let (first, end) = self.key_range(held, hashes.len(), num_tokens);
         if first >= end {
             return Ok(Keys { first, end, hashes: Vec::new() });
         }
         let hashes = (first..end).map(|i| hashes.get(i)).collect::<CoreResult<_>>()?;
         Ok(Keys { first, end, hashes })
+    }
+
+    /// The blocks caching up to `num_tokens` tokens may register, `[first, end)`: from the
+    /// first block some group has not registered to the last full block with a hash.
+    fn key_range(
+        &self,
+        held: &RequestBlocks,
+        num_hashes: usize,
+        num_tokens: usize,
+    ) -> (usize, usize) {
+        let end = num_hashes.min(num_tokens / self.config.block_size());
+        let first = held.groups.iter().map(|g| g.num_cached.unwrap_or(0)).min().unwrap_or(0);
+        (first, end)
+    }
+
+    /// Whether [`Self::cache_blocks`] up to `num_computed` tokens of a request with
+    /// `num_hashes` block hashes may do anything: register a block, or act on a Mamba
+    /// group's tail. False on most decode steps (no block filled), so that a caller can skip
+    /// reading the rest of the request.
+    pub fn cache_blocks_due(
+        &self,
+        held: &RequestBlocks,
+        num_computed: usize,
+        num_hashes: usize,
+    ) -> bool {
+        if self.any_align {
+            return true;
+        }
+        if !self.config.enable_caching {
+            return false;
+        }
+        let (first, end) = self.key_range(held, num_hashes, num_computed);
+        first < end
     }
 
     /// `cache_blocks` once the hashes are read (`keys` holds every hash it may need; a Mamba

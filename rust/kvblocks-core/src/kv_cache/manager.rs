@@ -273,6 +273,20 @@ impl KvCacheManager {
         Ok(())
     }
 
+    /// Whether [`Self::cache_blocks`] up to `num_computed` tokens of `request_id` (with
+    /// `num_hashes` block hashes) may do anything (false for an unknown id): see
+    /// [`KvCacheCoordinator::cache_blocks_due`].
+    pub fn cache_blocks_due(
+        &self,
+        request_id: &str,
+        num_computed: usize,
+        num_hashes: usize,
+    ) -> bool {
+        self.requests
+            .get(request_id)
+            .is_some_and(|held| self.coordinator.cache_blocks_due(held, num_computed, num_hashes))
+    }
+
     /// vLLM's `remove_skipped_blocks`: frees what no later token reads once
     /// `num_processed` tokens are done (a no-op for an unknown id).
     pub fn remove_skipped_blocks(&mut self, request_id: &str, num_processed: usize) {

@@ -170,8 +170,15 @@ fn caching_follows_the_hashes_the_caller_has() {
     let none: &[&[u32]] = &[&[]];
     m.allocate_slots("a", &state(6), &args, none, &[h(1)][..]).unwrap().unwrap();
     assert_eq!(m.lookup(&[h(1), h(2)][..], 9).unwrap().blocks, [vec![1]]);
+    // Due only where a block with a hash is full and not registered yet.
+    assert!(!m.cache_blocks_due("a", 6, 1));
+    assert!(!m.cache_blocks_due("a", 3, 3));
+    assert!(m.cache_blocks_due("a", 4, 3));
+    assert!(!m.cache_blocks_due("unknown", 6, 3));
     m.cache_blocks("a", &state(6), 6, &[h(1), h(2), h(3)][..]).unwrap();
     assert_eq!(m.lookup(&hashes(1..4)[..], 9).unwrap().blocks, [vec![1, 2, 3]]);
+    assert!(!m.cache_blocks_due("a", 7, 3));
+    assert!(m.cache_blocks_due("a", 8, 4));
     assert_eq!(m.lookup(&hashes(1..4)[..], 5).unwrap().num_tokens, 4);
     let stored: Vec<_> = m
         .take_events()
