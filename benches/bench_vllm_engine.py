@@ -32,10 +32,10 @@ pytest.importorskip("vllm", reason='needs vllm (pip install ".[vllm]" in a kvblo
 from kvblocks.vllm.bench.engine_loop import (
     WORKLOADS,
     DeviceModel,
-    Recording,
-    median_recording,
-    record,
+    compare_sides,
+    markdown_table,
     replay,
+    sweep_rows,
     workload,
 )
 from kvblocks.vllm.bench.platform import select_cpu_platform
@@ -62,41 +62,10 @@ def _report(request: pytest.FixtureRequest) -> Any:
     yield
     if not ROWS:
         return
-    lines = [
-        "| workload | running | async | device step | tokens/s stock -> kvblocks | gain | "
-        "device idle | engine CPU per step | TTFT p50 / p99 | ITL p50 / p99 |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in ROWS:
-        s, k = r["stock"], r["kvblocks"]
-        lines.append(
-            f"| {r['workload']} | {r['running']} | {'on' if r['async'] else 'off'} | "
-            f"{r['device_ms']} ms | {s['tokens_per_s']:,.0f} -> {k['tokens_per_s']:,.0f} | "
-            f"{r['gain']:.2f}x | {s['device_idle']:.0%} -> {k['device_idle']:.0%} | "
-            f"{s['cpu_per_step'] * 1e3:.2f} -> {k['cpu_per_step'] * 1e3:.2f} ms | "
-            f"{s['ttft_p50'] * 1e3:.0f} / {s['ttft_p99'] * 1e3:.0f} -> "
-            f"{k['ttft_p50'] * 1e3:.0f} / {k['ttft_p99'] * 1e3:.0f} ms | "
-            f"{s['itl_p50'] * 1e3:.1f} / {s['itl_p99'] * 1e3:.1f} -> "
-            f"{k['itl_p50'] * 1e3:.1f} / {k['itl_p99'] * 1e3:.1f} ms |"
-        )
-    print("\n" + "\n".join(lines))
+    print("\n" + markdown_table(ROWS))
     path = request.config.getoption("--engine-json", default=None)
     if path:
         Path(path).write_text(json.dumps(ROWS, indent=1))
-
-
-def _recordings(name: str, running: int, async_scheduling: bool, untimed: bool) -> dict:
-    """Each side's runs (stock and kvblocks alternating), merged call by call."""
-    load = workload(name, running, output_len=8 if untimed else None)
-    runs: dict[str, list[Recording]] = {"vllm": [], "kvblocks": []}
-    for _ in range(1 if untimed else ROUNDS):
-        for impl, side in runs.items():
-            side.append(record(impl, load, async_scheduling))
-    recordings = {impl: median_recording(side) for impl, side in runs.items()}
-    assert recordings["vllm"].tokens == recordings["kvblocks"].tokens
-    assert len(recordings["vllm"].tokens) == running
-    assert all(len(t) == load.output_len for t in recordings["vllm"].tokens.values())
-    return recordings
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
@@ -108,22 +77,9 @@ def test_engine_loop_tokens_per_s(
     untimed = benchmark.disabled
     running_counts, device_steps = _sweep(untimed)
     for running in running_counts:
-        recordings = _recordings(name, running, async_scheduling, untimed)
-        for ms in device_steps:
-            device = DeviceModel(ms)
-            stock, ours = (replay(recordings[impl], device) for impl in ("vllm", "kvblocks"))
-            # The device's busy time is the same work on both sides.
-            assert stock.steps == ours.steps > 0
-            ROWS.append(
-                {
-                    "workload": name,
-                    "running": running,
-                    "async": async_scheduling,
-                    "device_ms": ms,
-                    "gain": ours.tokens_per_s / stock.tokens_per_s,
-                    "stock": vars(stock),
-                    "kvblocks": vars(ours),
-                }
-            )
+        load = workload(name, running, output_len=8 if untimed else None)
+        recordings = compare_sides(load, async_scheduling, 1 if untimed else ROUNDS)
+        ROWS.extend(sweep_rows(name, load, async_scheduling, recordings, device_steps))
     # pytest-benchmark needs one timed call: the replay of the last setting (cheap).
+    device = DeviceModel(device_steps[-1])
     benchmark.pedantic(replay, args=(recordings["kvblocks"], device), rounds=1, iterations=1)

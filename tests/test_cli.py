@@ -332,6 +332,38 @@ def test_options_of_the_other_engine_are_refused(
     assert capsys.readouterr().err == message
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--engine", "vllm", "--device-ms", "4", "--layout", "gemma3", "--prefix-len", "9"],
+            "--prefix-len, --layout: these options apply to vLLM's scheduler benchmark, not to "
+            "--device-ms (vLLM's engine loop on its own workloads: --workload)\n",
+        ),
+        (
+            ["--engine", "vllm", "--workload", "chat"],
+            "--workload, --no-async-scheduling: these options need --device-ms\n",
+        ),
+        (["--device-ms", "4"], "--device-ms: these options apply to --engine vllm\n"),
+    ],
+)
+def test_the_engine_loop_options_are_refused_where_they_do_not_apply(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", *argv]) == 2
+    assert capsys.readouterr().err == message
+
+
+@pytest.mark.parametrize("value", ["0", "4,-1", "x", ","])
+def test_device_ms_takes_positive_milliseconds(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--engine", "vllm", "--device-ms", value])
+    assert exit_info.value.code == 2
+    assert "--device-ms: positive milliseconds like 4,8,12, not" in capsys.readouterr().err
+
+
 def test_backend_is_refused_with_engine_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     """``--backend`` picks the kvblocks engine's block managers; vLLM's comparison is always
     stock against kvblocks, so the option is refused there, not ignored."""

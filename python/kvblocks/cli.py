@@ -146,7 +146,29 @@ def _clear_bar() -> None:
 #: The options only ``--engine kvblocks`` reads.
 _KVBLOCKS_ENGINE_ONLY = ("backend", "model", "device", "dtype", "threads", "warmup")
 #: The options only ``--engine vllm`` reads.
-_VLLM_ENGINE_ONLY = ("layout", "no_enable_prefix_caching")
+_VLLM_ENGINE_ONLY = (
+    "layout",
+    "no_enable_prefix_caching",
+    "device_ms",
+    "workload",
+    "no_async_scheduling",
+)
+#: The options of vLLM's scheduler benchmark that ``--device-ms`` (vLLM's engine loop on its
+#: own workloads, ``--workload``) does not read.
+_SCHEDULER_ONLY = (
+    "prefix_len",
+    "suffix_len",
+    "block_size",
+    "hash_algo",
+    "layout",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "no_enable_prefix_caching",
+    "plot",
+)
+#: ``--workload``'s choices, for ``kvblocks.vllm.bench.engine_loop.WORKLOADS``.
+ENGINE_WORKLOADS = {"shared-prefix": "shared prefix", "chat": "chat"}
 #: ``--layout``'s choices: the KV-cache layouts of ``kvblocks.vllm.bench.config.LAYOUTS``
 #: (named here so that the parser needs no vLLM; the vLLM tier checks that they agree).
 VLLM_LAYOUTS = ("llama", "gpt-oss", "gemma3", "llama4", "mla", "qwen3.5", "jamba")
@@ -165,7 +187,7 @@ def bench(args: argparse.Namespace) -> int:
             return 2
     other = "kvblocks" if args.engine == "vllm" else "vllm"
     names = _KVBLOCKS_ENGINE_ONLY if other == "kvblocks" else _VLLM_ENGINE_ONLY
-    given = [f"--{name}" for name in names if getattr(args, name) is not None]
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
     if given:
         print(f"{', '.join(given)}: these options apply to --engine {other}", file=sys.stderr)
         return 2
@@ -298,6 +320,17 @@ def _build() -> str:
     )
 
 
+def _device_steps(text: str) -> list[float]:
+    """``--device-ms``: comma-separated positive step times in milliseconds."""
+    try:
+        steps = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        steps = []
+    if not steps or not all(0 < v < 1e6 for v in steps):
+        raise argparse.ArgumentTypeError(f"positive milliseconds like 4,8,12, not {text!r}")
+    return steps
+
+
 def _engine_defaults(args: argparse.Namespace, **defaults: Any) -> None:
     """Fills the workload options the user left out with the engine's own defaults."""
     for name, value in defaults.items():
@@ -360,7 +393,22 @@ def _manager_not_running() -> str | None:
 
 
 def bench_vllm(args: argparse.Namespace) -> int:
-    """Stock vLLM against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU)."""
+    """Stock vLLM against vLLM with kvblocks, on vLLM's scheduler (fake model, CPU), or with
+    ``--device-ms`` on vLLM's whole engine-core loop and a modelled device."""
+    engine_loop = args.device_ms is not None
+    if engine_loop:
+        given = [f"--{name.replace('_', '-')}" for name in _SCHEDULER_ONLY if getattr(args, name)]
+        if given:
+            print(
+                f"{', '.join(given)}: these options apply to vLLM's scheduler benchmark, not to "
+                "--device-ms (vLLM's engine loop on its own workloads: --workload)",
+                file=sys.stderr,
+            )
+            return 2
+        running = args.num_requests or 1024
+    elif args.workload is not None or args.no_async_scheduling:
+        print("--workload, --no-async-scheduling: these options need --device-ms", file=sys.stderr)
+        return 2
     _engine_defaults(
         args,
         num_requests=256,
@@ -388,6 +436,8 @@ def bench_vllm(args: argparse.Namespace) -> int:
     if (stale := _manager_not_running()) is not None:
         print(stale, file=sys.stderr)
         return 2
+    if engine_loop:
+        return bench_vllm_engine_loop(args, running)
     print("loading vLLM ...", file=sys.stderr, flush=True)
     # vLLM's imports and first configuration log their warnings here, once, before the bar.
     with held_back() as start_up:
@@ -491,6 +541,65 @@ def bench_vllm(args: argparse.Namespace) -> int:
     if args.plot:
         _plot_vllm(result, args.plot)
     return 0 if result.identical else 1
+
+
+def bench_vllm_engine_loop(args: argparse.Namespace, running: int) -> int:
+    """``--device-ms``: vLLM's engine-core loop, stock and with kvblocks, recorded on this
+    machine and replayed against a device of each step time (docs/engine-loop.md)."""
+    print("loading vLLM ...", file=sys.stderr, flush=True)
+    from kvblocks.vllm.bench.logs import held_back, summary
+
+    with held_back() as start_up:
+        try:
+            from kvblocks.vllm.bench.engine_loop import (
+                IMPLS,
+                compare_sides,
+                markdown_table,
+                sweep_rows,
+                workload,
+            )
+            from kvblocks.vllm.bench.platform import select_cpu_platform
+
+            select_cpu_platform()
+        except ModuleNotFoundError as e:
+            print(vllm_missing_message(e), file=sys.stderr)
+            return 2
+    _print_logs(summary(start_up), "vLLM's start-up said:")
+    name = ENGINE_WORKLOADS[args.workload or "shared-prefix"]
+    load = workload(name, running)
+    async_scheduling = not args.no_async_scheduling
+    show, total, done = _bar("vLLM engine loop"), len(IMPLS) * args.rounds, [0]
+
+    def progress(impl: str) -> None:
+        done[0] += 1
+        show(done[0], total)
+
+    show(0, total)
+    with held_back() as during:
+        try:
+            recordings = compare_sides(load, async_scheduling, args.rounds, progress)
+        except RuntimeError as e:
+            _clear_bar()
+            if "requires Triton" in str(e):
+                print(VLLM_NEEDS_TRITON, file=sys.stderr)
+                return 2
+            print(f"--engine vllm: {e} (please report)", file=sys.stderr)
+            return 1
+    _clear_bar()
+    _print_logs(summary(during), "logged during the runs (each message once):")
+    rows = sweep_rows(name, load, async_scheduling, recordings, args.device_ms)
+    print(
+        f"\n{_build()}: vLLM's engine-core loop (EngineCore, "
+        f"{'async scheduling' if async_scheduling else 'async scheduling off'}), "
+        f"{running} running requests, workload {args.workload or 'shared-prefix'} "
+        f"({load.prefix_len}-token shared prefix, {load.tail_len} tokens of each request's "
+        f"own, {load.output_len} output tokens); the engine thread's CPU per call, median of "
+        f"{args.rounds} runs per side, replayed against a device step of the given time plus "
+        "1 us per scheduled token (docs/engine-loop.md)\n"
+    )
+    print(markdown_table(rows))
+    print("\noutputs: identical token for token (stock vLLM and with kvblocks)")
+    return 0
 
 
 def _plot_vllm(result: Any, path: str) -> None:
@@ -681,6 +790,27 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="vllm engine: prefix caching off (vLLM's flag; on by default, as in vLLM)",
+    )
+    e.add_argument(
+        "--device-ms",
+        type=_device_steps,
+        metavar="MS[,MS...]",
+        help="vllm engine: run vLLM's whole engine-core loop (async scheduling, output "
+        "encoding) instead of its scheduler alone, and replay it against a device step of each "
+        "of these times (plus 1 us per token): tokens/s, device idle, TTFT, ITL; "
+        "--num-requests running requests (default 1024)",
+    )
+    e.add_argument(
+        "--workload",
+        choices=list(ENGINE_WORKLOADS),
+        help="with --device-ms: shared-prefix (512-token shared prefix, 64 of each request's "
+        "own, 64 out; the default) or chat (256 shared, 768 own, 128 out)",
+    )
+    e.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        default=None,
+        help="with --device-ms: vLLM's async scheduling off (on by default, as in vLLM)",
     )
     e.add_argument(
         "--max-num-batched-tokens",

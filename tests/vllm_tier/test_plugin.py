@@ -362,6 +362,28 @@ def test_kvblocks_bench_engine_vllm_layout(
     assert dict(_state.fallbacks) == {}
 
 
+def test_kvblocks_bench_engine_vllm_device_ms(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device-ms``: vLLM's engine-core loop on both sides, replayed against each device
+    step, one row per step. At a 40 ms step the device bounds the rate: 16 running requests
+    make at most 16 tokens per step of 40 ms and 16 us, and with every request's 64 tokens
+    in about 66 steps (the prompts' two, then decodes) the rate is within a tenth of it."""
+    from kvblocks.cli import main
+
+    _state.fallbacks.clear()
+    argv = ["bench", "--engine", "vllm", "--device-ms", "2,40", "--num-requests", "16"]
+    with scheduler_only_cpu_platform():
+        assert main([*argv, "--rounds", "1"]) == 0
+    assert dict(_state.fallbacks) == {}
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| shared prefix | 16 | on |")]
+    assert [row.split("|")[4].strip() for row in rows] == ["2 ms", "40 ms"], out
+    bound = 16 / (0.040 + 16e-6)
+    for side in rows[1].split("|")[5].split("->"):
+        assert 0.9 * bound < float(side.replace(",", "")) <= bound, rows[1]
+    assert "outputs: identical token for token" in out
+    assert kvblocks.vllm.status().mode == "off"
+
+
 @pytest.mark.parametrize("part", ["kv_cache_manager", "hasher"])
 def test_kvblocks_bench_engine_vllm_fails_when_kvblocks_did_not_run(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, part: str

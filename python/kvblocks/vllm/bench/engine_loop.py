@@ -27,7 +27,7 @@ import gc
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -443,3 +443,80 @@ def replay(recording: Recording, device: DeviceModel) -> Replayed:
         device_idle=1.0 - busy / t if t > 0 else 0.0,
         steps=steps,
     )
+
+
+def compare_sides(
+    load: EngineWorkload,
+    async_scheduling: bool,
+    rounds: int,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Recording]:
+    """Each side's ``rounds`` runs of ``load`` (stock and kvblocks alternating, stock first),
+    merged call by call (:func:`median_recording`). A RuntimeError where the sides' outputs
+    differ (a kvblocks run must generate exactly what stock vLLM does)."""
+    runs: dict[str, list[Recording]] = {impl: [] for impl in IMPLS}
+    for _ in range(rounds):
+        for impl, side in runs.items():
+            side.append(record(impl, load, async_scheduling))
+            if progress is not None:
+                progress(impl)
+    recordings = {impl: median_recording(side) for impl, side in runs.items()}
+    stock, ours = recordings["vllm"].tokens, recordings["kvblocks"].tokens
+    if stock != ours:
+        differ = sorted(r for r in stock if stock[r] != ours.get(r))
+        raise RuntimeError(f"kvblocks' outputs differ from stock vLLM's for {differ[:5]}")
+    if len(stock) != load.num_running or any(len(t) != load.output_len for t in stock.values()):
+        raise RuntimeError("a request did not generate its output_len tokens")
+    return recordings
+
+
+def sweep_rows(
+    name: str,
+    load: EngineWorkload,
+    async_scheduling: bool,
+    recordings: dict[str, Recording],
+    device_steps_ms: list[float],
+) -> list[dict[str, Any]]:
+    """The replay of both sides' recordings at each device step: one row per step, with
+    each side's :class:`Replayed` figures and the tokens/s gain."""
+    rows = []
+    for ms in device_steps_ms:
+        device = DeviceModel(ms)
+        stock, ours = (replay(recordings[impl], device) for impl in IMPLS)
+        # The device's busy time is the same work on both sides.
+        if not stock.steps == ours.steps > 0:
+            raise RuntimeError(f"the sides ran {stock.steps} and {ours.steps} device steps")
+        rows.append(
+            {
+                "workload": name,
+                "running": load.num_running,
+                "async": async_scheduling,
+                "device_ms": ms,
+                "gain": ours.tokens_per_s / stock.tokens_per_s,
+                "stock": vars(stock),
+                "kvblocks": vars(ours),
+            }
+        )
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`sweep_rows`' rows as the Markdown table the benchmark and the CLI print."""
+    lines = [
+        "| workload | running | async | device step | tokens/s stock -> kvblocks | gain | "
+        "device idle | engine CPU per step | TTFT p50 / p99 | ITL p50 / p99 |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        s, k = r["stock"], r["kvblocks"]
+        lines.append(
+            f"| {r['workload']} | {r['running']} | {'on' if r['async'] else 'off'} | "
+            f"{r['device_ms']:g} ms | {s['tokens_per_s']:,.0f} -> {k['tokens_per_s']:,.0f} | "
+            f"{r['gain']:.2f}x | {s['device_idle']:.0%} -> {k['device_idle']:.0%} | "
+            f"{s['cpu_per_step'] * 1e3:.2f} -> {k['cpu_per_step'] * 1e3:.2f} ms | "
+            f"{s['ttft_p50'] * 1e3:.0f} / {s['ttft_p99'] * 1e3:.0f} -> "
+            f"{k['ttft_p50'] * 1e3:.0f} / {k['ttft_p99'] * 1e3:.0f} ms | "
+            f"{s['itl_p50'] * 1e3:.1f} / {s['itl_p99'] * 1e3:.1f} -> "
+            f"{k['itl_p50'] * 1e3:.1f} / {k['itl_p99'] * 1e3:.1f} ms |"
+        )
+    return "\n".join(lines)
