@@ -734,6 +734,34 @@ def test_a_burst_between_scrapes_spreads_over_the_replicas(replicas: dict[str, R
         service.close()
 
 
+def test_a_reload_adds_and_removes_replicas(fleet: dict[str, Replica]) -> None:
+    """EndpointPicker.reload (what the command does when its fleet file changes, or on
+    SIGHUP): a replica left out is chosen no more and leaves the index, a new one is a
+    candidate from its first scrape, and a fleet the picker cannot route to is refused whole."""
+    data = fleet_data(fleet)
+    first = {"replicas": [r for r in data["replicas"] if r["name"] != "c"]}
+    second = {"replicas": [r for r in data["replicas"] if r["name"] != "a"]}
+    settings = Settings(scrape_interval=INTERVAL)
+    with serve(load_fleet(first), grpc_port=0, metrics_port=None, settings=settings) as running:
+        picker = running.picker
+
+        def burst(n: int) -> set[str | None]:
+            body = completion(prompt(7))
+            return {picker.decide("/v1/completions", body).replica for _ in range(n)}
+
+        assert burst(6) == {"a", "b"}
+        picker.reload(load_fleet(second))
+        wait_for(lambda: running.service.index.replicas == ["b", "c"], "the index reloaded")
+        wait_for(lambda: "c" in picker.board.ready(), "the new replica scraped")
+        assert burst(9) == {"b", "c"}
+        assert sorted(picker.board.state()) == ["b", "c"]
+        no_url = {k: v for k, v in second["replicas"][0].items() if k != "url"}
+        with pytest.raises(ValueError, match="has no url"):
+            picker.reload(load_fleet({"replicas": [no_url]}))
+        assert list(picker.replicas) == ["b", "c"]
+        assert running.service.index.replicas == ["b", "c"]
+
+
 def test_the_feeds_state_is_exported(replicas: dict[str, Replica]) -> None:
     """A replica with a KV event endpoint (nothing publishes on it): its feed's counters are
     among the picker's metrics."""

@@ -7,6 +7,8 @@ against real vLLM replica processes: tests/vllm_tier/test_router_processes.py.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import pytest
 from kvblocks._core import BlockHasher
 from kvblocks.router.fleet import load_fleet
 from kvblocks.router.scorer import RouteService, serve
+from tests.processes import Lines
 
 msgspec = pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
@@ -249,6 +252,140 @@ def test_a_prefix_counts_as_far_as_every_group_holds_it() -> None:
         "one", [BlockStored(block_hashes=hashes[:3], medium=None, group_idx=None)]
     )
     assert service.score({"prompt_token_ids": prompt})["scores"] == {"two": 32, "one": 48}
+
+
+class AllBlocksCleared(SimpleNamespace):
+    """Stands in for vLLM's event class of that name."""
+
+
+def test_all_blocks_cleared_clears_the_device_tier_alone() -> None:
+    """vLLM's block pool publishes AllBlocksCleared on reset_prefix_cache(), which leaves an
+    offloading tier's blocks where they are: the index forgets the replica's GPU blocks and
+    keeps its CPU ones (and the blocks of another replica); clearing the replica itself (a
+    restart, or a gap in its events) forgets every tier."""
+    fleet = {"replicas": [*fleet_json()["replicas"], *fleet_json(name="b")["replicas"]]}
+    service = RouteService(load_fleet(fleet))
+    prompt = list(range(80))  # 5 blocks; 4 may hit
+    hashes = block_hashes(prompt)
+    index = service.index
+    for name in ("a", "b"):
+        index.apply_events(
+            name,
+            [
+                BlockStored(block_hashes=hashes[:4], medium="GPU", group_idx=0),
+                BlockStored(block_hashes=hashes[:3], medium="CPU", group_idx=0),
+            ],
+        )
+    assert (index.held("a"), index.num_keys) == (7, 7)
+    index.apply_events("a", [AllBlocksCleared()])
+    assert index.score(prompt) == {"a": 0, "b": 64}
+    assert index.score(prompt, medium="CPU") == {"a": 48, "b": 48}
+    assert (index.held("a"), index.held("b")) == (3, 7)
+    assert index.counts()["cleared"] == 4
+    assert index.clear_replica("a", medium="CPU") == 3
+    assert index.score(prompt, medium="CPU") == {"a": 0, "b": 48}
+    assert index.clear_replica("b") == 7
+    assert index.score(prompt, medium="CPU") == {"a": 0, "b": 0}
+    assert index.clear_replica("b", medium="NVMe") == 0  # a medium no event named
+
+
+def test_a_reload_changes_what_changed_and_keeps_the_rest() -> None:
+    """RouteService.reload: at the next poll a new replica is registered and its feed
+    followed, a changed one registered again (its blocks forgotten), an unchanged one keeps
+    its blocks, a removed one is forgotten and its feed closed; a replica whose feed cannot be
+    opened is left out, saying why, and the rest of the change holds."""
+    port = free_port()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    prompt = list(range(100, 180))
+    hashes = block_hashes(prompt)
+    a, b = fleet_json(name="a")["replicas"][0], fleet_json(name="b")["replicas"][0]
+    c = fleet_json(name="c", events=f"tcp://127.0.0.1:{port}")["replicas"][0]
+    service = RouteService(load_fleet({"replicas": [a, b]}))
+    try:
+        for name in ("a", "b"):
+            event = BlockStored(block_hashes=hashes[:3], medium=None, group_idx=0)
+            service.index.apply_events(name, [event])
+        service.reload(load_fleet({"replicas": [a, {**b, "url": "http://b2:8000"}, c]}))
+        assert service.index.replicas == ["a", "b"]  # not before the next poll
+        service.poll(0)
+        assert service.reloads == [{"added": ["c"], "removed": [], "changed": ["b"]}]
+        assert service.index.replicas == ["a", "b", "c"]
+        assert (service.index.held("a"), service.index.held("b")) == (3, 0)
+        assert service.urls["b"] == "http://b2:8000"
+        assert list(service.feeds) == ["c"]
+        encoder = msgspec.msgpack.Encoder()
+        batch = encoder.encode([time.time(), [stored(hashes[:2], prompt[:32])], None])
+        deadline = time.monotonic() + 10
+        while service.index.held("c") < 2:  # the subscription reaches the publisher
+            assert time.monotonic() < deadline, "the new replica's feed never applied a batch"
+            publisher.send_multipart([b"", (0).to_bytes(8, "big"), batch])
+            service.poll(100)
+        assert service.score({"prompt_token_ids": prompt})["scores"] == {"a": 48, "b": 0, "c": 32}
+        bad = {**fleet_json(name="d", events="tcp://127.0.0.1:port")["replicas"][0]}
+        service.reload(load_fleet({"replicas": [a, bad]}))
+        service.poll(0)
+        assert service.index.replicas == ["a"]
+        assert service.feeds == {}
+        assert "ZMQError" in str(service.reload_error)
+        assert len(service.reloads) == 1  # the change that failed is not listed as done
+        assert service.poll(50) == 0
+    finally:
+        service.close()
+        publisher.close(linger=0)
+
+
+def test_the_command_reads_its_fleet_file_again_on_change_and_on_sighup(tmp_path: Path) -> None:
+    """``kvblocks route``: a rewritten fleet file is served within seconds; a change the file's
+    time, size and inode do not show (written in place, its time put back) waits for SIGHUP;
+    a file that no longer loads is reported and the fleet stays; SIGTERM still ends it with
+    status 0."""
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"replicas": fleet_json(name="a")["replicas"]}))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvblocks", "route", str(path), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def replicas(url: str) -> list[str]:
+        return sorted(get(url + "/replicas")["replicas"])
+
+    def until(url: str, names: list[str], timeout: float = 15) -> None:
+        deadline = time.monotonic() + timeout
+        while replicas(url) != names:
+            assert time.monotonic() < deadline, f"never served {names}: {replicas(url)}"
+            time.sleep(0.1)
+
+    try:
+        line = Lines(process).next(timeout=60)
+        url = line.split("serving on ", 1)[1].split()[0]
+        assert replicas(url) == ["a"]
+        path.write_text(json.dumps({"replicas": fleet_json(name="b")["replicas"]}))
+        until(url, ["b"])
+        before = path.stat()
+        with path.open("r+") as f:  # same size, same inode
+            f.write(json.dumps({"replicas": fleet_json(name="c")["replicas"]}))
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        time.sleep(2.5)  # more than the command's interval between looks at the file
+        assert replicas(url) == ["b"]
+        process.send_signal(signal.SIGHUP)
+        until(url, ["c"])
+        path.write_text("{")
+        time.sleep(2.5)
+        assert replicas(url) == ["c"]
+        process.terminate()
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
+    assert "kvblocks route: fleet reloaded: b" in err
+    assert "kvblocks route: fleet reloaded: c" in err
+    assert f"kvblocks route: {path} not reloaded: " in err
+    assert "Traceback" not in err
 
 
 def test_the_command_refuses_a_bad_fleet(tmp_path: Path) -> None:

@@ -17,6 +17,9 @@ process.
 
 A signal that arrives before the command runs at all (the interpreter starting, ``kvblocks``
 being imported) ends the process as for any Python program.
+
+SIGHUP asks a running command to read its fleet file again (:class:`ReloadSignal`), as daemons
+take it; its handler too only notes it.
 """
 
 from __future__ import annotations
@@ -47,14 +50,36 @@ class StopSignals:
         """The first stop signal that arrived, if any."""
         return self._received
 
-    def wait(self) -> int:
-        """Blocks until SIGINT or SIGTERM has arrived (at once if one has); its number. The
-        handler interrupts the sleep, which then runs out its interval. From then on both
-        signals are ignored: the command is stopping, and Python's finalization resets a
-        signal with a Python handler to its default action (a second SIGTERM while the
-        interpreter exits would kill the process), but leaves an ignored one ignored."""
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Blocks until SIGINT or SIGTERM has arrived (at once if one has); its number, or
+        None once ``timeout`` seconds passed without one. The handler interrupts the sleep,
+        which then runs out its interval. Once a signal is returned both signals are
+        ignored: the command is stopping, and Python's finalization resets a signal with a
+        Python handler to its default action (a second SIGTERM while the interpreter exits
+        would kill the process), but leaves an ignored one ignored."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self._received is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
             time.sleep(self._poll_interval)
         for number in STOP_SIGNALS:
             signal.signal(number, signal.SIG_IGN)
         return self._received
+
+
+class ReloadSignal:
+    """Notes SIGHUP from construction on (in the main thread): the fleet file is to be read
+    again. :meth:`take` says whether one arrived since it was last asked."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._taken = 0
+        signal.signal(signal.SIGHUP, self._note)
+
+    def _note(self, number: int, frame: object) -> None:
+        self._count += 1
+
+    def take(self) -> bool:
+        arrived = self._count != self._taken
+        self._taken = self._count
+        return arrived

@@ -24,7 +24,7 @@ from typing import Any
 
 import kvblocks
 from kvblocks._install import install_hint
-from kvblocks._signals import StopSignals
+from kvblocks._signals import ReloadSignal, StopSignals
 from kvblocks.engine_bench import compare, round_orders
 from kvblocks.engine_bench_report import plot, print_report
 from kvblocks.workloads import (
@@ -631,15 +631,18 @@ def _plot_vllm(result: Any, path: str) -> None:
 
 
 def route_command(args: argparse.Namespace) -> int:
-    """Serves ``kvblocks.router.scorer`` until SIGTERM or SIGINT (status 0 whenever either arrives,
-    from here to exit: ``kvblocks._signals``)."""
+    """Serves ``kvblocks.router.scorer`` until SIGTERM or SIGINT (status 0 whenever either
+    arrives, from here to exit: ``kvblocks._signals``), reading the fleet file again when it
+    changes or on SIGHUP."""
     stop = StopSignals()
+    hup = ReloadSignal()
     try:
-        from kvblocks.router.fleet import load_fleet
+        from kvblocks.router.fleet import FleetFile, follow_fleet_file
         from kvblocks.router.scorer import serve
     except ImportError as error:  # pyzmq or msgspec missing
         raise ImportError(f"{error}; {install_hint('router')}") from None
-    fleet = load_fleet(args.fleet)
+    fleet_file = FleetFile(args.fleet)
+    fleet = fleet_file.load()
     if stop.received is not None:  # stopped while starting: nothing to serve
         stop.wait()
         return 0
@@ -649,7 +652,9 @@ def route_command(args: argparse.Namespace) -> int:
             "(POST /score, GET /replicas, GET /health)",
             flush=True,
         )
-        stop.wait()  # then feeds and sockets close as the block ends
+        # The fleet file read again on a change or SIGHUP, until a stop signal; then feeds
+        # and sockets close as the block ends.
+        follow_fleet_file(fleet_file, stop, hup, running.service.reload, "kvblocks route")
     return 0
 
 

@@ -26,16 +26,20 @@ picker (:mod:`kvblocks.router.picker`) sends a request only to a replica that se
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvblocks._core import BlockHasher
 from kvblocks.router.index import ReplicaLayout
 
-__all__ = ["Fleet", "ReplicaSpec", "load_fleet"]
+if TYPE_CHECKING:
+    from kvblocks._signals import ReloadSignal, StopSignals
+
+__all__ = ["Fleet", "FleetFile", "ReplicaSpec", "follow_fleet_file", "load_fleet"]
 
 
 @dataclass(frozen=True)
@@ -182,3 +186,58 @@ def load_fleet(source: str | Path | Mapping[str, Any]) -> Fleet:
     if len(set(names)) != len(names):
         raise ValueError(f"replica names must be unique, got {names}")
     return Fleet(specs)
+
+
+class FleetFile:
+    """A fleet file followed for changes, for a command that serves until stopped:
+    :meth:`changed` reads the file again where its modification time, size or inode moved
+    (an editor's save, a rename over it, a Kubernetes ConfigMap's update) or where asked
+    (SIGHUP), and returns the new fleet, or None where nothing changed. A file that no
+    longer loads raises once per change (OSError, ValueError); the caller keeps its fleet."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def load(self) -> Fleet:
+        """The fleet as the file says now (and the file's state, for :meth:`changed`)."""
+        self._stamp = self._stat()
+        return load_fleet(self.path)
+
+    def changed(self, force: bool = False) -> Fleet | None:
+        stamp = self._stat()
+        if stamp == self._stamp and not force:
+            return None
+        self._stamp = stamp
+        return load_fleet(self.path)
+
+
+def follow_fleet_file(
+    fleet_file: FleetFile,
+    stop: StopSignals,
+    hup: ReloadSignal,
+    reload: Callable[[Fleet], None],
+    command: str,
+    interval: float = 1.0,
+) -> None:
+    """Until a stop signal: reads the fleet file again when it changes or SIGHUP asks, and
+    hands the new fleet to ``reload``; a file that does not load, or a fleet ``reload``
+    refuses, is reported on stderr and the fleet stays as it was."""
+    while stop.wait(interval) is None:
+        try:
+            fleet = fleet_file.changed(force=hup.take())
+            if fleet is None:
+                continue
+            reload(fleet)
+        except (OSError, ValueError) as error:
+            print(f"{command}: {fleet_file.path} not reloaded: {error}", file=sys.stderr)
+            continue
+        names = ", ".join(spec.name for spec in fleet.replicas)
+        print(f"{command}: fleet reloaded: {names}", file=sys.stderr, flush=True)

@@ -254,7 +254,10 @@ class RoutingIndex:
     """Which replica holds which block, fed by each replica's KV event batches."""
 
     def __init__(self) -> None:
-        self._core = RouterIndex(secrets.randbits(64))
+        # One table per medium (index: the medium's id; GPU is 0): vLLM clears a replica's
+        # device cache alone (AllBlocksCleared), and its other tiers keep their blocks.
+        self._seed = secrets.randbits(64)
+        self._cores = [RouterIndex(self._seed)]
         self._replicas: dict[str, _Replica] = {}
         self._media: dict[str, int] = {GPU: 0}
         self._skipped_events = 0
@@ -287,22 +290,27 @@ class RoutingIndex:
         )
         hasher = shared or PromptBlockHasher(prefix_hash_config)
         replica = _Replica(name, free, prefix_hash_config, layout or ReplicaLayout(), hasher)
-        self._core.add_replica(free)
+        for core in self._cores:
+            core.add_replica(free)
         self._replicas[name] = replica
         self._plans = None
 
     def remove_replica(self, name: str) -> int:
         """Forgets a replica and its blocks; returns how many blocks it held."""
         replica = self._replica(name)
-        dropped: int = self._core.remove_replica(replica.id)
+        dropped = sum(int(core.remove_replica(replica.id)) for core in self._cores)
         del self._replicas[name]
         self._plans = None
         return dropped
 
-    def clear_replica(self, name: str) -> int:
-        """Drops a replica's blocks (a restart: its cache is empty again); returns how many."""
-        cleared: int = self._core.clear_replica(self._replica(name).id)
-        return cleared
+    def clear_replica(self, name: str, medium: str | None = None) -> int:
+        """Drops a replica's blocks in every medium (a restart, or a gap in its events: what
+        it holds is unknown), or in ``medium`` alone; returns how many."""
+        rid = self._replica(name).id
+        if medium is not None:
+            medium_id = self._media.get(medium)
+            return 0 if medium_id is None else int(self._cores[medium_id].clear_replica(rid))
+        return sum(int(core.clear_replica(rid)) for core in self._cores)
 
     @property
     def replicas(self) -> list[str]:
@@ -322,6 +330,10 @@ class RoutingIndex:
             if not isinstance(medium, str):
                 raise TypeError(f"a medium must be a str, got {type(medium).__name__}")
             found = self._media[medium] = len(self._media)
+            core = RouterIndex(self._seed)
+            for replica in self._replicas.values():
+                core.add_replica(replica.id)
+            self._cores.append(core)
         return found
 
     # -- events --------------------------------------------------------------------------
@@ -335,17 +347,19 @@ class RoutingIndex:
         """Applies a replica's events in order (see :meth:`apply`). Event types the index does
         not know are counted (:meth:`counts`, ``skipped_events``) and skipped."""
         rid = self._replica(name).id
-        core = self._core
+        cores = self._cores
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored":
-                group = event.group_idx or 0
-                core.store(rid, event.block_hashes, group, self._medium(event.medium))
+                group, medium = event.group_idx or 0, self._medium(event.medium)
+                cores[medium].store(rid, event.block_hashes, group, medium)
             elif kind == "BlockRemoved":
-                group = event.group_idx or 0
-                core.remove(rid, event.block_hashes, group, self._medium(event.medium))
+                group, medium = event.group_idx or 0, self._medium(event.medium)
+                cores[medium].remove(rid, event.block_hashes, group, medium)
             elif kind == "AllBlocksCleared":
-                core.clear_replica(rid)
+                # vLLM's block pool publishes it (reset_prefix_cache): the device's cache.
+                # An offloading tier keeps its blocks (and its own reset publishes nothing).
+                cores[0].clear_replica(rid)
             else:
                 self._skipped_events += 1
 
@@ -354,26 +368,27 @@ class RoutingIndex:
         (last copies), ``cleared``; ``repeated_stores`` and ``repeated_removals`` (further
         copies of a block the replica holds); ``unknown_removals`` (of blocks it did not hold:
         changed nothing); ``skipped_events``."""
-        counts: dict[str, int] = self._core.counts()
+        counts: dict[str, int] = {}
+        for core in self._cores:
+            for key, value in core.counts().items():
+                counts[key] = counts.get(key, 0) + value
         counts["skipped_events"] = self._skipped_events
         return counts
 
     def held(self, name: str) -> int:
         """Blocks the replica holds, over all its groups and media."""
-        held: int = self._core.held(self._replica(name).id)
-        return held
+        rid = self._replica(name).id
+        return sum(int(core.held(rid)) for core in self._cores)
 
     @property
     def num_keys(self) -> int:
         """Distinct (block, group, medium) keys in the index."""
-        keys: int = self._core.num_keys
-        return keys
+        return sum(int(core.num_keys) for core in self._cores)
 
     @property
     def table_bytes(self) -> int:
         """Bytes the index's table has allocated."""
-        size: int = self._core.table_bytes
-        return size
+        return sum(int(core.table_bytes) for core in self._cores)
 
     # -- scoring -------------------------------------------------------------------------
 
@@ -407,7 +422,7 @@ class RoutingIndex:
         max_length = max(len(prompt_token_ids) - 1, 0)
         scores: dict[str, int | None] = dict.fromkeys(self._replicas)
         hashes_by_config: dict[tuple[Any, ...], list[bytes] | None] = {}
-        core = self._core
+        core = self._cores[0 if medium_id is None else medium_id]
         for key, plan in self._route_plans().items():
             hashes = hashes_by_config[key] = plan.hasher.block_hashes(
                 prompt_token_ids,

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 from urllib.parse import urlsplit
 
-from kvblocks.router.fleet import Fleet, ReplicaSpec
+from kvblocks.router.fleet import Fleet, FleetFile, ReplicaSpec, follow_fleet_file
 from kvblocks.router.openai import Prompt
 from kvblocks.router.scorer import RouteService
 
@@ -292,22 +292,44 @@ class LoadBoard:
         self._stop = threading.Event()
         self._first_round = {name: threading.Event() for name in self.urls}
         self._threads: list[threading.Thread] = []
+        self._started = False
 
     def start(self) -> None:
-        for name in self.urls:
-            thread = threading.Thread(
-                target=self._follow, args=(name,), name=f"kvblocks-picker-scrape-{name}"
-            )
-            thread.daemon = True
-            thread.start()
-            self._threads.append(thread)
+        self._started = True
+        for name, url in self.urls.items():
+            self._start(name, url)
+
+    def _start(self, name: str, url: str) -> None:
+        thread = threading.Thread(
+            target=self._follow, args=(name, url), name=f"kvblocks-picker-scrape-{name}"
+        )
+        thread.daemon = True
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+
+    def set_urls(self, urls: Mapping[str, str]) -> None:
+        """The fleet changed: a replica gone is no longer scraped (nor a candidate), a new
+        one (or one whose url changed) starts unscraped, so not a candidate until its first
+        good scrape; the others keep their load."""
+        with self._lock:
+            fresh = {name: url for name, url in urls.items() if self.urls.get(name) != url}
+            for name in set(self.urls) - set(urls):
+                del self._slots[name], self._first_round[name]
+            for name in fresh:
+                self._slots[name] = _Slot()
+                self._first_round[name] = threading.Event()
+            self.urls = dict(urls)
+        if self._started:
+            for name, url in fresh.items():
+                self._start(name, url)
 
     def wait_first_round(self, timeout: float) -> bool:
         """Waits until every replica has been scraped once (well or not); whether it was."""
         deadline = time.monotonic() + timeout
-        return all(
-            e.wait(max(0.0, deadline - time.monotonic())) for e in self._first_round.values()
-        )
+        with self._lock:
+            events = list(self._first_round.values())
+        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in events)
 
     def close(self) -> None:
         self._stop.set()
@@ -316,32 +338,43 @@ class LoadBoard:
 
     def scrape(self, name: str) -> None:
         """Scrapes one replica now (the threads call it every interval)."""
-        url = self.urls[name].rstrip("/") + "/metrics"
+        url = self.urls.get(name)
+        if url is None:
+            return  # no longer in the fleet
+        url = url.rstrip("/") + "/metrics"
         try:
             with urllib.request.urlopen(url, timeout=max(self.interval, 0.05)) as response:
                 load = parse_vllm_metrics(response.read(4 << 20).decode("utf-8", "replace"))
         except Exception as error:  # OSError, HTTPError, ValueError: this scrape failed
             with self._lock:
-                slot = self._slots[name]
-                slot.failures += 1
-                slot.last_error = f"{type(error).__name__}: {error}"
+                failed = self._slots.get(name)
+                if failed is not None:
+                    failed.failures += 1
+                    failed.last_error = f"{type(error).__name__}: {error}"
             return
         with self._lock:
-            slot = self._slots[name]
+            slot = self._slots.get(name)
+            if slot is None:
+                return
             slot.load, slot.scraped_at, slot.inflight = load, time.monotonic(), 0
             slot.scrapes += 1
             slot.last_error = None
 
-    def _follow(self, name: str) -> None:
-        while not self._stop.is_set():
+    def _follow(self, name: str, url: str) -> None:
+        while not self._stop.is_set() and self.urls.get(name) == url:
             started = time.monotonic()
             self.scrape(name)
-            self._first_round[name].set()
+            with self._lock:
+                first = self._first_round.get(name)
+            if first is not None:
+                first.set()
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def picked(self, name: str) -> None:
         with self._lock:
-            self._slots[name].inflight += 1
+            slot = self._slots.get(name)
+            if slot is not None:
+                slot.inflight += 1
 
     def ready(self, now: float | None = None) -> dict[str, tuple[ReplicaLoad, int]]:
         """The replicas whose last good scrape is recent enough, with that load and the picks
@@ -429,22 +462,37 @@ class EndpointPicker:
         self.settings = settings or Settings()
         self.service = service
         self.tokenize = tokenize
-        self.replicas: dict[str, ReplicaSpec] = {spec.name: spec for spec in fleet.replicas}
-        self.endpoints: dict[str, str] = {}
-        for spec in fleet.replicas:
-            if spec.url is None:
-                raise ValueError(f"replica {spec.name!r} has no url: the picker routes to urls")
-            self.endpoints[spec.name] = endpoint_of(spec.url)
-        urls = {spec.name: spec.url for spec in fleet.replicas if spec.url is not None}
+        self._set_fleet(fleet)
         self.board = board or LoadBoard(
-            urls, self.settings.scrape_interval, self.settings.stale_after
+            self._urls, self.settings.scrape_interval, self.settings.stale_after
         )
-        self._order = {name: i for i, name in enumerate(self.replicas)}
         self.decisions: collections.deque[Decision] = collections.deque(
             maxlen=self.settings.decisions_kept
         )
         self.feed_batch_at: dict[str, float] = {}
         self._metrics()
+
+    def _set_fleet(self, fleet: Fleet) -> None:
+        """The fleet's replicas, endpoints and order, each replaced whole (a decision in
+        flight reads either the old or the new). A ValueError, changing nothing, where a
+        replica has no url or one that names no endpoint."""
+        endpoints: dict[str, str] = {}
+        for spec in fleet.replicas:
+            if spec.url is None:
+                raise ValueError(f"replica {spec.name!r} has no url: the picker routes to urls")
+            endpoints[spec.name] = endpoint_of(spec.url)
+        self._urls = {spec.name: spec.url for spec in fleet.replicas if spec.url is not None}
+        self.replicas: dict[str, ReplicaSpec] = {spec.name: spec for spec in fleet.replicas}
+        self.endpoints = endpoints
+        self._order = {name: i for i, name in enumerate(self.replicas)}
+
+    def reload(self, fleet: Fleet) -> None:
+        """Makes ``fleet`` the picker's fleet: its replicas, their endpoints and load
+        scrapes, and (through :meth:`RouteService.reload`) the index and the KV event feeds.
+        A ValueError, changing nothing, where the fleet cannot be routed to."""
+        self._set_fleet(fleet)
+        self.board.set_urls(self._urls)
+        self.service.reload(fleet)
 
     def _metrics(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -658,7 +706,7 @@ class _StateCollector:
                 age.add_metric([name], state["age"])
         yield from (ready, waiting, running, kv, inflight, age, failures)
 
-        feeds = self.picker.service.feeds
+        feeds = dict(self.picker.service.feeds)  # a reload may change it meanwhile
         batches = counter("feed_batches", "KV event batches applied.")
         resyncs = counter("feed_resyncs", "Feed gaps replay could not fill (replica cleared).")
         restarts = counter("feed_restarts", "Replica restarts seen on the feed.")
@@ -933,15 +981,16 @@ def serve(
 
         def follow() -> None:
             assert picker is not None
-            seen = {name: feed.batches for name, feed in service.feeds.items()}
+            seen: dict[str, int] = {}
             while not stop.is_set():
                 if not service.feeds:
-                    stop.wait(0.5)
+                    service.poll(0)  # a reload asked for
+                    stop.wait(0.2)
                     continue
                 if service.poll(50):
                     now = time.monotonic()
-                    for name, feed in service.feeds.items():
-                        if feed.batches != seen[name]:
+                    for name, feed in list(service.feeds.items()):
+                        if feed.batches != seen.get(name):
                             seen[name] = feed.batches
                             picker.feed_batch_at[name] = now
 
@@ -1059,14 +1108,14 @@ def _tokenizer(models: Sequence[str], loras: Sequence[str]) -> Tokenize:
 def main(argv: Sequence[str] | None = None) -> int:
     """Serves until SIGTERM or SIGINT (status 0; ``kvblocks._signals``); prints ``listening
     grpc=HOST:PORT metrics=HOST:PORT`` once serving. Status 2 for a bad fleet or setting."""
-    from kvblocks._signals import StopSignals
+    from kvblocks._signals import ReloadSignal, StopSignals
 
     stop = StopSignals()
+    hup = ReloadSignal()
     args = _parser().parse_args(argv)
     try:
-        from kvblocks.router.fleet import load_fleet
-
-        fleet = load_fleet(args.fleet)
+        fleet_file = FleetFile(args.fleet)
+        fleet = fleet_file.load()
         tokenize = _tokenizer(args.model, args.lora)
         settings = Settings(
             weights=Weights(args.w_prefix, args.w_queue, args.w_kv, args.queue_half),
@@ -1091,7 +1140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ) as running:
             print(f"listening grpc={running.grpc_address} metrics={running.metrics_address}")
             sys.stdout.flush()
-            stop.wait()
+            follow_fleet_file(fleet_file, stop, hup, running.picker.reload, "kvblocks picker")
     except ImportError as error:  # grpcio, xds-protos, ... missing
         from kvblocks._install import install_hint
 

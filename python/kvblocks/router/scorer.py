@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvblocks.router.feeds import ReplicaFeed
-from kvblocks.router.fleet import Fleet
+from kvblocks.router.fleet import Fleet, ReplicaSpec
 from kvblocks.router.index import GPU, RoutingIndex
 
 __all__ = ["RouteService", "Running", "serve"]
@@ -44,48 +44,107 @@ class RouteService:
     """The index, one feed per replica with an event endpoint, and the answers the HTTP
     endpoints give. :meth:`poll` applies what the feeds received; :meth:`score` and
     :meth:`replicas` answer (all under one lock, so that an answer never sees half a
-    batch)."""
+    batch). :meth:`reload` changes the fleet at run time."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.index = RoutingIndex()
         self.urls: dict[str, str | None] = {}
         self.feeds: dict[str, ReplicaFeed] = {}
+        self.specs: dict[str, ReplicaSpec] = {}
+        #: Fleet changes applied (each: the replicas added, removed and changed), and the
+        #: last one that failed, if any.
+        self.reloads: list[dict[str, list[str]]] = []
+        self.reload_error: str | None = None
         self._lock = threading.Lock()
+        self._pending: Fleet | None = None
+        # One poller over every feed's socket: poll() waits on all of them at once.
+        self._poller: Any = None
+        self._by_socket: dict[Any, ReplicaFeed] = {}
         try:
-            for spec in fleet.replicas:
-                self.index.add_replica(spec.name, spec.prefix_hash_config, spec.layout)
-                self.urls[spec.name] = spec.url
-                if spec.events is not None:
-                    self.feeds[spec.name] = ReplicaFeed(
-                        self.index, spec.name, spec.events, replay_endpoint=spec.replay
-                    )
+            self._change_fleet(fleet)
         except BaseException:
             self.close()
             raise
-        # One poller over every feed's socket: poll() waits on all of them at once.
-        self._poller: Any = None
-        self._by_socket = {feed.socket: feed for feed in self.feeds.values()}
-        if self.feeds:
-            import zmq
-
-            self._poller = zmq.Poller()
-            for socket in self._by_socket:
-                self._poller.register(socket, zmq.POLLIN)
 
     def close(self) -> None:
         for feed in self.feeds.values():
             feed.close()
 
-    def poll(self, timeout_ms: int = 0) -> int:
-        """Waits up to ``timeout_ms`` for any feed to receive a batch (without the lock, so
-        that queries go on meanwhile), then applies what the ready feeds received; returns
-        how many batches."""
+    def reload(self, fleet: Fleet) -> None:
+        """Makes ``fleet`` the fleet, at the next :meth:`poll` (the thread that polls the
+        feeds owns their sockets): a replica no longer in it is forgotten and its feed
+        stopped; a new one is registered and followed; one whose entry changed is
+        registered again (its blocks forgotten; its feed starts over, through the replay
+        endpoint where the replica keeps its batches); the others go on untouched."""
+        with self._lock:
+            self._pending = fleet
+
+    def _reload_now(self) -> None:
+        with self._lock:
+            fleet, self._pending = self._pending, None
+            if fleet is None:
+                return
+            try:
+                self.reloads.append(self._change_fleet(fleet))
+                self.reload_error = None
+            except Exception as error:  # an endpoint zmq refuses, ...: the rest goes on
+                self.reload_error = f"{type(error).__name__}: {error}"
+
+    def _change_fleet(self, fleet: Fleet) -> dict[str, list[str]]:
+        wanted = {spec.name: spec for spec in fleet.replicas}
+        removed = [name for name in self.specs if name not in wanted]
+        changed = [n for n in self.specs if n in wanted and wanted[n] != self.specs[n]]
+        added = [name for name in wanted if name not in self.specs]
+        for name in removed + changed:
+            self._remove(name)
+        for name in changed + added:
+            self._add(wanted[name])
+        return {"added": added, "removed": removed, "changed": changed}
+
+    def _add(self, spec: ReplicaSpec) -> None:
+        """Registers and follows one replica, or (raising) leaves it out altogether."""
+        self.index.add_replica(spec.name, spec.prefix_hash_config, spec.layout)
+        feed = None
+        if spec.events is not None:
+            try:
+                feed = ReplicaFeed(self.index, spec.name, spec.events, replay_endpoint=spec.replay)
+            except BaseException:
+                self.index.remove_replica(spec.name)
+                raise
+        self.specs[spec.name] = spec
+        self.urls[spec.name] = spec.url
+        if feed is None:
+            return
+        self.feeds[spec.name] = feed
+        import zmq
+
         if self._poller is None:
+            self._poller = zmq.Poller()
+        self._poller.register(feed.socket, zmq.POLLIN)
+        self._by_socket[feed.socket] = feed
+
+    def _remove(self, name: str) -> None:
+        feed = self.feeds.pop(name, None)
+        if feed is not None:
+            self._poller.unregister(feed.socket)
+            del self._by_socket[feed.socket]
+            feed.close()
+        self.index.remove_replica(name)
+        del self.specs[name], self.urls[name]
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Applies a :meth:`reload` asked for, then waits up to ``timeout_ms`` for any feed
+        to receive a batch (without the lock, so that queries go on meanwhile) and applies
+        what the ready feeds received; returns how many batches."""
+        self._reload_now()
+        if not self._by_socket:
             return 0
         applied = 0
         for socket, _ in self._poller.poll(timeout_ms):
             with self._lock:
-                applied += self._by_socket[socket].poll(0)
+                feed = self._by_socket.get(socket)
+                if feed is not None:
+                    applied += feed.poll(0)
         return applied
 
     def score(self, body: Any) -> dict[str, Any]:
@@ -222,7 +281,8 @@ def serve(fleet: Fleet, host: str = "127.0.0.1", port: int = 8100) -> Iterator[R
     def follow() -> None:
         while not stop.is_set():
             if not service.feeds:
-                stop.wait(0.5)
+                service.poll(0)  # a reload asked for
+                stop.wait(0.2)
             else:
                 service.poll(50)
 
