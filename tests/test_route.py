@@ -12,9 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +25,7 @@ import pytest
 
 from kvblocks._core import BlockHasher
 from kvblocks.router.fleet import load_fleet
+from kvblocks.router.index import RoutingIndex
 from kvblocks.router.scorer import RouteService, serve
 from tests.processes import Lines
 
@@ -339,11 +342,21 @@ def test_the_command_reads_its_fleet_file_again_on_change_and_on_sighup(tmp_path
     """``kvblocks route``: a rewritten fleet file is served within seconds; a change the file's
     time, size and inode do not show (written in place, its time put back) waits for SIGHUP;
     a file that no longer loads is reported and the fleet stays; SIGTERM still ends it with
-    status 0."""
-    path = tmp_path / "fleet.json"
+    status 0, its ``--snapshot`` written."""
+    path, snap = tmp_path / "fleet.json", tmp_path / "index.snapshot"
     path.write_text(json.dumps({"replicas": fleet_json(name="a")["replicas"]}))
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvblocks", "route", str(path), "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "kvblocks",
+            "route",
+            str(path),
+            "--port",
+            "0",
+            "--snapshot",
+            str(snap),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -386,6 +399,137 @@ def test_the_command_reads_its_fleet_file_again_on_change_and_on_sighup(tmp_path
     assert "kvblocks route: fleet reloaded: c" in err
     assert f"kvblocks route: {path} not reloaded: " in err
     assert "Traceback" not in err
+    # --snapshot: written as the command stopped, with the fleet it had then
+    restored = RouteService(load_fleet({"replicas": fleet_json(name="c")["replicas"]}))
+    assert restored.restore(snap.read_bytes()) == {"c": "restored 0 blocks"}
+    restored.close()
+
+
+class Publisher:
+    """A replica's event endpoints as vLLM's ``ZmqEventPublisher`` serves them: a PUB socket
+    sending ``[topic, seq, batch]``, and a ROUTER replay endpoint that answers ``[id, "",
+    start]`` with ``[id, "", topic, seq, batch]`` for every batch it keeps from ``start`` on,
+    then the end marker (sequence number 2^64 - 1)."""
+
+    def __init__(self) -> None:
+        context = zmq.Context.instance()
+        self.port, self.replay_port = free_port(), free_port()
+        self.pub = context.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.router = context.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.kept: dict[int, bytes] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replays, daemon=True)
+        self._thread.start()
+
+    def _serve_replays(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(50):
+                continue
+            client, _, start = self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq in sorted(s for s in list(self.kept) if s >= first):
+                frames = [client, b"", b"", seq.to_bytes(8, "big"), self.kept[seq]]
+                self.router.send_multipart(frames)
+            end = ((1 << 64) - 1).to_bytes(8, "big")
+            self.router.send_multipart([client, b"", b"", end, b""])
+
+    def publish(self, seq: int, events: list[dict[str, Any]]) -> None:
+        self.kept[seq] = self._encoder.encode([time.time(), events, None])
+        self.pub.send_multipart([b"", seq.to_bytes(8, "big"), self.kept[seq]])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def removed(hashes: list[bytes]) -> dict[str, Any]:
+    """A ``BlockRemoved`` as vLLM encodes it."""
+    published = [int.from_bytes(h[-8:], "big") for h in hashes]
+    return {"type": "BlockRemoved", "block_hashes": published, "medium": "GPU"}
+
+
+class BlockRemoved(SimpleNamespace):
+    """Stands in for vLLM's event class of that name."""
+
+
+def test_a_snapshot_restores_the_index_and_the_feed_resumes_through_replay() -> None:
+    """RouteService.snapshot then restore in a new service: each replica whose entry did not
+    change gets its blocks back, and its feed resumes after the snapshot's sequence number:
+    the batches published while no service ran come through the replay endpoint, so the
+    index ends as one that received every batch (checked against an index fed them all
+    directly); a changed entry, or a snapshot that does not decode, restores nothing."""
+    publisher = Publisher()
+    prompt = list(range(200, 296))  # 6 blocks
+    hashes = block_hashes(prompt)
+    a = fleet_json(
+        name="a",
+        events=f"tcp://127.0.0.1:{publisher.port}",
+        replay=f"tcp://127.0.0.1:{publisher.replay_port}",
+    )["replicas"][0]
+    b = fleet_json(name="b")["replicas"][0]
+    fleet = load_fleet({"replicas": [a, b]})
+    batches = [
+        [stored(hashes[:3], prompt[:48])],
+        [stored(hashes[3:5], prompt[48:80])],
+        [removed(hashes[4:5])],
+        [stored(hashes[4:6], prompt[64:96])],
+    ]
+
+    def follow(service: RouteService, seq: int, until: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 10
+        while not until():
+            assert time.monotonic() < deadline, "the batch never arrived"
+            publisher.publish(seq, batches[seq])  # again, until the subscription is up
+            service.poll(100)
+
+    first = RouteService(fleet)
+    try:
+        follow(first, 0, lambda: first.index.held("a") == 3)
+        event = BlockStored(block_hashes=hashes[:2], medium=None, group_idx=0)
+        first.index.apply_events("b", [event])
+        data = first.snapshot()
+    finally:
+        first.close()
+    publisher.publish(1, batches[1])  # while no service runs
+    publisher.publish(2, batches[2])
+    second = RouteService(fleet)
+    try:
+        assert second.restore(data) == {"a": "restored 3 blocks", "b": "restored 2 blocks"}
+        assert second.feeds["a"].last_seq == 0
+        follow(second, 3, lambda: second.feeds["a"].last_seq == 3)
+        feed = second.feeds["a"]
+        assert (feed.replayed, feed.resyncs, feed.restarts) == (2, 0, 0)
+        # an index that received every batch, applied in order
+        reference = RoutingIndex()
+        for name in ("a", "b"):
+            reference.add_replica(name, fleet.replicas[0].prefix_hash_config)
+        kinds = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved}
+        for batch in batches:
+            for e in batch:
+                found = kinds[e["type"]](block_hashes=e["block_hashes"], medium="GPU", group_idx=0)
+                reference.apply_events("a", [found])
+        reference.apply_events("b", [event])
+        for tokens in (prompt, prompt[:50], prompt[:90]):
+            assert second.index.score(tokens) == reference.score(tokens), tokens
+        assert second.index.held("a") == reference.held("a") == 6
+        assert second.index.score(prompt)["a"] == 80  # 5 of its 6 blocks: not the last token's
+    finally:
+        second.close()
+        publisher.close()
+    changed = RouteService(load_fleet({"replicas": [{**a, "hash_seed": "8"}, b]}))
+    try:
+        outcome = changed.restore(data)
+        assert outcome["a"] == "its fleet entry changed since"
+        assert changed.index.held("a") == 0
+        with pytest.raises(ValueError, match=r"does not decode|not a kvblocks"):
+            changed.restore(b"\x93junk")
+    finally:
+        changed.close()
 
 
 def test_the_command_refuses_a_bad_fleet(tmp_path: Path) -> None:

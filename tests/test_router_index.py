@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import struct
 
 import pytest
 from hypothesis import given, settings
@@ -31,7 +32,8 @@ def streams(draw: st.DrawFn) -> list[tuple]:
     for _ in range(draw(st.integers(1, 60))):
         # replicas 30 to 33 cross the index's switch to 8-byte replica sets
         replica = draw(st.sampled_from([0, 1, 2, 3, 30, 31, 32, 33, 63]))
-        kind = draw(st.sampled_from(["store", "store", "remove", "clear", "add", "drop", "ask"]))
+        kinds = ["store", "store", "remove", "clear", "add", "drop", "ask", "snapshot"]
+        kind = draw(st.sampled_from(kinds))
         picks = draw(st.lists(st.integers(0, len(HASHES) - 1), max_size=12))
         group, medium = draw(st.integers(0, 2)), draw(st.integers(0, 1))
         as_ints = draw(st.booleans())
@@ -53,6 +55,13 @@ def apply(index, op):
             return index.add_replica(replica)
         if kind == "drop":
             return index.remove_replica(replica)
+        if kind == "snapshot":  # the replica's blocks taken out and restored
+            keys, copies = index.replica_blocks(replica)
+            n = len(keys) // 8
+            found = struct.unpack(f"<{n}Q", keys), struct.unpack(f"<{n}I", copies)
+            blocks = sorted(zip(*found, strict=True))
+            index.clear_replica(replica)
+            return blocks, index.restore_replica(replica, keys, copies)
         return index.prefix_blocks(hashes, group, medium)
     except ValueError as error:
         return ("ValueError", str(error).split(" ")[0])

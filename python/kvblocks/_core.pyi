@@ -422,6 +422,12 @@ class RouterIndex:
         most ``max_length`` tokens: its coordinator's search under ``rule``, over the blocks
         the index says it holds (an unknown replica is a ``ValueError``)."""
     def holds(self, replica: int, hash: bytes | int, group: int, medium: int) -> bool: ...
+    def replica_blocks(self, replica: int) -> tuple[bytes, bytes]:
+        """The blocks ``replica`` holds, for a snapshot: their keys (8 bytes each,
+        little-endian) and copies (4 bytes each), in the same order."""
+    def restore_replica(self, replica: int, keys: bytes, copies: bytes) -> int:
+        """Gives ``replica`` (registered, holding nothing) the blocks ``replica_blocks``
+        gave; how many. A ValueError, changing nothing, for malformed input."""
     def held(self, replica: int) -> int: ...
     @property
     def replicas(self) -> list[int]: ...

@@ -638,7 +638,7 @@ def route_command(args: argparse.Namespace) -> int:
     hup = ReloadSignal()
     try:
         from kvblocks.router.fleet import FleetFile, follow_fleet_file
-        from kvblocks.router.scorer import serve
+        from kvblocks.router.scorer import report_restored, serve
     except ImportError as error:  # pyzmq or msgspec missing
         raise ImportError(f"{error}; {install_hint('router')}") from None
     fleet_file = FleetFile(args.fleet)
@@ -646,7 +646,15 @@ def route_command(args: argparse.Namespace) -> int:
     if stop.received is not None:  # stopped while starting: nothing to serve
         stop.wait()
         return 0
-    with serve(fleet, args.host, args.port) as running:
+    serving = serve(
+        fleet,
+        args.host,
+        args.port,
+        snapshot=args.snapshot,
+        snapshot_interval=args.snapshot_interval,
+    )
+    with serving as running:
+        report_restored(running.restored, running.snapshot, "kvblocks route")
         print(
             f"kvblocks route: {len(fleet.replicas)} replicas, serving on {running.url} "
             "(POST /score, GET /replicas, GET /health)",
@@ -907,6 +915,14 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("fleet", help="the fleet's JSON file (see kvblocks.router.fleet)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8100)
+    r.add_argument(
+        "--snapshot",
+        metavar="FILE",
+        help="keep the index in FILE: restored at start, saved every --snapshot-interval "
+        "seconds and at the end; a restart then resumes each feed through the replica's "
+        "replay endpoint instead of starting empty",
+    )
+    r.add_argument("--snapshot-interval", type=float, default=60.0, metavar="SECONDS")
     r.set_defaults(func=route_command)
     return top
 

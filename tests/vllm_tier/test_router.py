@@ -122,12 +122,13 @@ def fleet(
 
 def full_attention_prefix(index: RoutingIndex, name: str, prompt: list[int], **request: Any) -> int:
     """What a router reading only the replica's first full-attention group would predict:
-    the longest prefix of its blocks the replica holds there (hybrid layouts hit less)."""
+    the longest prefix of its blocks the replica holds there, in the GPU table (hybrid layouts
+    hit less)."""
     replica = index._replicas[name]
     group = next(g for g, kind in enumerate(replica.kinds) if kind == "full_attention")
     hashes = replica.hasher.block_hashes(prompt, **request)
     usable = hashes[: (len(prompt) - 1) // replica.hash_block_size]
-    return index._core.prefix_blocks(usable, group, 0)[replica.id] * replica.hash_block_size
+    return index.group_prefix(name, usable, group) * replica.hash_block_size
 
 
 def first_hit(records: list[Any], request_id: str) -> int:

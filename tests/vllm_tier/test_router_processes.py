@@ -330,8 +330,7 @@ def test_hybrid_replicas_over_zmq(fleet: Any) -> None:
         # what the full-attention group alone holds of the prompt
         hashes = index.route(command["prompt"], **kwargs).block_hashes or []
         usable = hashes[: (len(command["prompt"]) - 1) // 16]
-        replica_id = index._replicas[name].id
-        full = index._core.prefix_blocks(usable, 0, 0)[replica_id] * 16
+        full = index.group_prefix(name, usable, 0) * 16
         target = int(name[1:])
         answer = replicas[target].ask(command)
         assert answer["hit"] == predicted[name], (i, name, predicted, answer)

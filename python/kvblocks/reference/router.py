@@ -4,6 +4,7 @@ bit sets. The baseline of ``benches/bench_router.py`` and the oracle of its test
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
 
 __all__ = ["MAX_REPLICAS", "RouterIndex", "block_key"]
@@ -106,6 +107,40 @@ class RouterIndex:
         self._held[replica] += new
         self._counts["stored"] += new
         self._counts["repeated_stores"] += len(keys) - new
+        return new
+
+    def replica_blocks(self, replica: int) -> tuple[bytes, bytes]:
+        bit = self._bit(replica)
+        held = [k for k, holders in self._table.items() if holders & bit]
+        keys = struct.pack(f"<{len(held)}Q", *held)
+        copies = [1 + self._copies.get((k, replica), 0) for k in held]
+        return keys, struct.pack(f"<{len(held)}I", *copies)
+
+    def restore_replica(self, replica: int, keys: bytes, copies: bytes) -> int:
+        bit = self._bit(replica)
+        if len(keys) % 8 or len(copies) % 4 or len(keys) // 8 != len(copies) // 4:
+            raise ValueError(
+                f"keys and copies must be 8 and 4 bytes per block, got {len(keys)} and "
+                f"{len(copies)} bytes"
+            )
+        if self._held[replica]:
+            raise ValueError(f"replica {replica} holds blocks: only an empty replica is restored")
+        n = len(keys) // 8
+        counts = struct.unpack(f"<{n}I", copies)
+        blocks = list(zip(struct.unpack(f"<{n}Q", keys), counts, strict=True))
+        if any(c == 0 for _, c in blocks):
+            raise ValueError("a block restored with 0 copies")
+        new = 0
+        for key, count in blocks:
+            holders = self._table.get(key, 0)
+            extra = count
+            if not holders & bit:
+                self._table[key] = holders | bit
+                new += 1
+                extra -= 1
+            if extra:
+                self._copies[key, replica] = self._copies.get((key, replica), 0) + extra
+        self._held[replica] = new
         return new
 
     def remove(self, replica: int, hashes: Iterable[bytes | int], group: int, medium: int) -> int:

@@ -43,7 +43,7 @@ replica has evicted. Leave that mode off on replicas behind the index.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,6 +311,66 @@ class RoutingIndex:
             medium_id = self._media.get(medium)
             return 0 if medium_id is None else int(self._cores[medium_id].clear_replica(rid))
         return sum(int(core.clear_replica(rid)) for core in self._cores)
+
+    def replica_blocks(self, name: str) -> dict[str, tuple[bytes, bytes]]:
+        """The blocks a replica holds, per medium it holds any in, as the Rust table keeps
+        them (keys and copies, :meth:`kvblocks._core.RouterIndex.replica_blocks`): what
+        :meth:`restore_replica` takes back, here or in another process (a snapshot)."""
+        rid = self._replica(name).id
+        out: dict[str, tuple[bytes, bytes]] = {}
+        for medium, medium_id in self._media.items():
+            keys, copies = self._cores[medium_id].replica_blocks(rid)
+            if keys:
+                out[medium] = (keys, copies)
+        return out
+
+    def group_prefix(
+        self, name: str, block_hashes: Sequence[bytes | int], group: int, medium: str = GPU
+    ) -> int:
+        """The leading blocks of ``block_hashes`` the replica holds in one KV-cache group,
+        without its hit rule: what an index reading that group alone would predict (a
+        diagnostic; :meth:`score` is the replica's hit)."""
+        rid = self._replica(name).id
+        medium_id = self._media.get(medium)
+        if medium_id is None:
+            return 0
+        found: dict[int, int] = self._cores[medium_id].prefix_blocks(block_hashes, group, medium_id)
+        return found[rid]
+
+    @property
+    def media(self) -> list[str]:
+        """The media events have named, in the order the index first saw them (a key holds
+        its medium's position: a snapshot restores them in this order first)."""
+        return list(self._media)
+
+    def restore_replica(
+        self, name: str, blocks: Mapping[str, tuple[bytes, bytes]], media: Sequence[str]
+    ) -> int:
+        """Gives a replica that holds nothing the blocks :meth:`replica_blocks` gave, from an
+        index whose :attr:`media` were ``media``; returns how many. A ValueError, the replica
+        left holding nothing, where this index numbers a medium otherwise (the keys would
+        not match), the replica holds blocks, or the blocks are malformed."""
+        ids = dict(self._media)  # as they will be once the media are named in order
+        for position, medium in enumerate(media):
+            if ids.setdefault(medium, len(ids)) != position:
+                raise ValueError(f"medium {medium!r} is not number {position} in this index")
+        unknown = set(blocks) - set(media)
+        if unknown:
+            raise ValueError(f"blocks of media {sorted(unknown)}, which are not in {list(media)}")
+        if self.held(name):
+            raise ValueError(f"replica {name!r} holds blocks: only an empty replica is restored")
+        rid = self._replica(name).id
+        for medium in media:
+            self._medium(medium)
+        restored = 0
+        try:
+            for medium, (keys, copies) in blocks.items():
+                core = self._cores[self._media[medium]]
+                restored += int(core.restore_replica(rid, keys, copies))
+        except BaseException:
+            self.clear_replica(name)
+            raise
+        return restored
 
     @property
     def replicas(self) -> list[str]:

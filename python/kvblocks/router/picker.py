@@ -56,12 +56,13 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 from urllib.parse import urlsplit
 
 from kvblocks.router.fleet import Fleet, FleetFile, ReplicaSpec, follow_fleet_file
 from kvblocks.router.openai import Prompt
-from kvblocks.router.scorer import RouteService
+from kvblocks.router.scorer import RouteService, SnapshotFile, report_restored
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -945,6 +946,9 @@ class RunningPicker:
     service: RouteService
     grpc_address: str
     metrics_address: str | None
+    #: What the snapshot restored, per replica (empty without one).
+    restored: dict[str, str] = field(default_factory=dict)
+    snapshot: SnapshotFile | None = None
 
 
 @contextmanager
@@ -956,11 +960,15 @@ def serve(
     metrics_port: int | None = 9090,
     tokenize: Tokenize = token_ids_prompt,
     settings: Settings | None = None,
+    snapshot: str | Path | None = None,
+    snapshot_interval: float = 60.0,
 ) -> Iterator[RunningPicker]:
     """Runs the picker until the ``with`` block ends: the gRPC server (ext_proc and health),
     the replicas' load scrapes, the KV event feeds' polling and the metrics HTTP server
     (``metrics_port=None``: none). Port 0: a free one (in the addresses). The first round of
-    scrapes is waited for (one interval at most) before readiness is reported."""
+    scrapes is waited for (one interval at most) before readiness is reported. With
+    ``snapshot``, the index starts from that file and is saved there, as for
+    :func:`kvblocks.router.scorer.serve`."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
@@ -970,6 +978,8 @@ def serve(
 
     settings = settings or Settings()
     service = RouteService(fleet)
+    snapshots = None if snapshot is None else SnapshotFile(service, snapshot, snapshot_interval)
+    restored = {} if snapshots is None else snapshots.restore()
     stop = threading.Event()
     threads: list[threading.Thread] = []
     server: Any = None
@@ -993,6 +1003,8 @@ def serve(
                         if feed.batches != seen.get(name):
                             seen[name] = feed.batches
                             picker.feed_batch_at[name] = now
+                if snapshots is not None:
+                    snapshots.due()
 
         feeds = threading.Thread(target=follow, name="kvblocks-picker-feeds", daemon=True)
         feeds.start()
@@ -1024,7 +1036,8 @@ def serve(
         picker.board.wait_first_round(settings.scrape_interval + 1)
         for name in HEALTH_SERVICES:
             checker.set(name, health_pb2.HealthCheckResponse.SERVING)
-        yield RunningPicker(picker, service, _join(host, bound), metrics_address)
+        address = _join(host, bound)
+        yield RunningPicker(picker, service, address, metrics_address, restored, snapshots)
     finally:
         stop.set()
         if server is not None:
@@ -1036,6 +1049,8 @@ def serve(
             picker.board.close()
         for thread in threads:
             thread.join(5)
+        if snapshots is not None:
+            snapshots.save()
         service.close()
 
 
@@ -1053,6 +1068,14 @@ def _parser() -> argparse.ArgumentParser:
         "(Envoy ext_proc over gRPC) for a fleet of vLLM replicas.",
     )
     p.add_argument("fleet", help="the fleet's JSON file (see kvblocks.router.fleet)")
+    p.add_argument(
+        "--snapshot",
+        metavar="FILE",
+        help="keep the index in FILE: restored at start, saved every --snapshot-interval "
+        "seconds and at the end; a restart then resumes each feed through the replica's "
+        "replay endpoint instead of starting empty",
+    )
+    p.add_argument("--snapshot-interval", type=float, default=60.0, metavar="SECONDS")
     p.add_argument(
         "--model",
         action="append",
@@ -1137,7 +1160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             settings=settings,
             tokenize=tokenize,
+            snapshot=args.snapshot,
+            snapshot_interval=args.snapshot_interval,
         ) as running:
+            report_restored(running.restored, running.snapshot, "kvblocks picker")
             print(f"listening grpc={running.grpc_address} metrics={running.metrics_address}")
             sys.stdout.flush()
             follow_fleet_file(fleet_file, stop, hup, running.picker.reload, "kvblocks picker")

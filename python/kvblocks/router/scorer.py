@@ -22,11 +22,15 @@ Bad requests get a 400 with ``{"error": ...}``; the service goes on.
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,6 +42,15 @@ __all__ = ["RouteService", "Running", "serve"]
 
 #: The most bytes a request body may have (a 2,000-token prompt is about 12 kB of JSON).
 MAX_BODY = 16 << 20
+#: What a snapshot of the service's index says it is (:meth:`RouteService.snapshot`).
+SNAPSHOT_FORMAT = "kvblocks-router-snapshot/1"
+
+
+def _identity(spec: ReplicaSpec) -> str:
+    """What must not change for a replica's saved blocks to be its blocks: its engine's
+    hashing, its layout and its event stream."""
+    config = sorted(vars(spec.prefix_hash_config).items())
+    return repr((config, spec.layout, spec.events))
 
 
 class RouteService:
@@ -147,6 +160,73 @@ class RouteService:
                     applied += feed.poll(0)
         return applied
 
+    # -- snapshots -------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The index's blocks per replica, with each feed's last sequence number (msgpack):
+        what :meth:`restore` takes back in a new process, so that a restart loses nothing
+        the replicas' replay endpoints still hold."""
+        import msgspec
+
+        with self._lock:
+            replicas = {
+                name: {
+                    "entry": _identity(spec),
+                    "last_seq": None if name not in self.feeds else self.feeds[name].last_seq,
+                    "blocks": {m: list(kc) for m, kc in self.index.replica_blocks(name).items()},
+                }
+                for name, spec in self.specs.items()
+            }
+            state = {"format": SNAPSHOT_FORMAT, "media": self.index.media, "replicas": replicas}
+        return msgspec.msgpack.encode(state)
+
+    def restore(self, data: bytes) -> dict[str, str]:
+        """Takes back a :meth:`snapshot` before the feeds have applied anything: each replica
+        of the fleet with the same entry (hashing, layout, event endpoint) gets its blocks,
+        and its feed resumes after the snapshot's sequence number (the gap since is asked of
+        the replica's replay endpoint; where the replay no longer holds it, or the replica
+        restarted meanwhile, the feed clears it as it would any gap). Returns, per replica of
+        the fleet, ``restored N blocks`` or why not. A snapshot that does not decode is a
+        ValueError, changing nothing."""
+        import msgspec
+
+        try:
+            state = msgspec.msgpack.decode(data)
+            if not isinstance(state, dict) or state.get("format") != SNAPSHOT_FORMAT:
+                raise ValueError(f"not a {SNAPSHOT_FORMAT} snapshot")
+            media, saved = state["media"], state["replicas"]
+        except (msgspec.DecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"the snapshot does not decode: {error}") from None
+        outcome: dict[str, str] = {}
+        with self._lock:
+            for name, spec in self.specs.items():
+                entry = saved.get(name)
+                feed = self.feeds.get(name)
+                if entry is None:
+                    outcome[name] = "not in the snapshot"
+                elif entry.get("entry") != _identity(spec):
+                    outcome[name] = "its fleet entry changed since"
+                elif feed is not None and feed.last_seq is not None:
+                    outcome[name] = "its feed has applied batches already"
+                else:
+                    try:
+                        blocks = {m: (bytes(k), bytes(c)) for m, (k, c) in entry["blocks"].items()}
+                        n = self.index.restore_replica(name, blocks, media)
+                    except (ValueError, TypeError, KeyError) as error:
+                        outcome[name] = f"not restored: {error}"
+                        continue
+                    if feed is not None:
+                        feed.last_seq = entry.get("last_seq")
+                    outcome[name] = f"restored {n} blocks"
+        return outcome
+
+    def save_snapshot(self, path: str | Path) -> None:
+        """:meth:`snapshot` written to ``path`` whole (a temporary file renamed over it)."""
+        path = Path(path)
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_bytes(self.snapshot())
+        os.replace(temporary, path)
+
     def score(self, body: Any) -> dict[str, Any]:
         """The answer to ``POST /score`` (ValueError or TypeError for a bad body)."""
         if not isinstance(body, dict):
@@ -212,6 +292,56 @@ class RouteService:
             return {"replicas": out, "counts": self.index.counts()}
 
 
+class SnapshotFile:
+    """A service's snapshot kept in a file: :meth:`restore` at start where the file exists,
+    :meth:`due` every ``interval`` seconds while serving, and :meth:`save` at the end. A file
+    that cannot be read or written is reported (:attr:`error`), never fatal: the service then
+    starts empty, or goes on without the snapshot."""
+
+    def __init__(self, service: RouteService, path: str | Path, interval: float = 60.0) -> None:
+        self.service, self.path, self.interval = service, Path(path), interval
+        self.error: str | None = None
+        self._saved = time.monotonic()
+
+    def restore(self) -> dict[str, str]:
+        """:meth:`RouteService.restore` from the file (nothing where there is none)."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as error:
+            self.error = f"cannot read {self.path}: {error}"
+            return {}
+        try:
+            return self.service.restore(data)
+        except ValueError as error:
+            self.error = f"{self.path} not restored: {error}"
+            return {}
+
+    def due(self) -> None:
+        """Saves when ``interval`` seconds passed since the last save."""
+        if time.monotonic() - self._saved >= self.interval:
+            self.save()
+
+    def save(self) -> None:
+        self._saved = time.monotonic()
+        try:
+            self.service.save_snapshot(self.path)
+            self.error = None
+        except OSError as error:
+            self.error = f"cannot write {self.path}: {error}"
+
+
+def report_restored(restored: dict[str, str], snapshots: SnapshotFile | None, command: str) -> None:
+    """What a command's snapshot restored, one line per replica, on stderr."""
+    if snapshots is None:
+        return
+    if snapshots.error is not None:
+        print(f"{command}: {snapshots.error}; starting empty", file=sys.stderr)
+    for name, outcome in restored.items():
+        print(f"{command}: snapshot {snapshots.path}: {name}: {outcome}", file=sys.stderr)
+
+
 def _handler(service: RouteService) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "kvblocks-route"
@@ -254,10 +384,13 @@ def _handler(service: RouteService) -> type[BaseHTTPRequestHandler]:
 
 @dataclass(frozen=True)
 class Running:
-    """A service :func:`serve` started: its state and its HTTP server."""
+    """A service :func:`serve` started: its state, its HTTP server, and what its snapshot
+    restored (per replica, as :meth:`RouteService.restore` says) or why it could not."""
 
     service: RouteService
     server: ThreadingHTTPServer
+    restored: dict[str, str]
+    snapshot: SnapshotFile | None = None
 
     @property
     def url(self) -> str:
@@ -266,10 +399,21 @@ class Running:
 
 
 @contextmanager
-def serve(fleet: Fleet, host: str = "127.0.0.1", port: int = 8100) -> Iterator[Running]:
+def serve(
+    fleet: Fleet,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    *,
+    snapshot: str | Path | None = None,
+    snapshot_interval: float = 60.0,
+) -> Iterator[Running]:
     """Runs the service in background threads (HTTP, and the feeds' polling) until the
-    ``with`` block ends (``port=0``: a free port, in ``Running.url``)."""
+    ``with`` block ends (``port=0``: a free port, in ``Running.url``). With ``snapshot``,
+    the index starts from that file where it exists and is saved there every
+    ``snapshot_interval`` seconds and when the block ends (:class:`SnapshotFile`)."""
     service = RouteService(fleet)
+    snapshots = None if snapshot is None else SnapshotFile(service, snapshot, snapshot_interval)
+    restored = {} if snapshots is None else snapshots.restore()
     try:
         server = ThreadingHTTPServer((host, port), _handler(service))
     except BaseException:
@@ -285,6 +429,8 @@ def serve(fleet: Fleet, host: str = "127.0.0.1", port: int = 8100) -> Iterator[R
                 stop.wait(0.2)
             else:
                 service.poll(50)
+            if snapshots is not None:
+                snapshots.due()
 
     threads = [
         threading.Thread(target=server.serve_forever, name="kvblocks-route-http", daemon=True),
@@ -293,11 +439,13 @@ def serve(fleet: Fleet, host: str = "127.0.0.1", port: int = 8100) -> Iterator[R
     for thread in threads:
         thread.start()
     try:
-        yield Running(service, server)
+        yield Running(service, server, restored, snapshots)
     finally:
         stop.set()
         server.shutdown()
         server.server_close()
         for thread in threads:
             thread.join(5)
+        if snapshots is not None:
+            snapshots.save()
         service.close()

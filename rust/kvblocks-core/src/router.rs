@@ -195,6 +195,52 @@ impl RouterIndex {
         Ok(gone)
     }
 
+    /// The blocks `replica` holds, as (key, copies) pairs (copies at least 1), in no
+    /// particular order: what [`Self::restore_replica`] takes back, in this index or a new
+    /// one (a snapshot).
+    pub fn replica_blocks(&self, replica: usize) -> CoreResult<Vec<(u64, u32)>> {
+        let b = self.live_bit(replica)?;
+        let extra = |key: u64| self.copies.get(&(key, replica as u8)).copied().unwrap_or(0);
+        Ok(self
+            .table
+            .keys_with_bit(b)
+            .into_iter()
+            .map(|key| (key, extra(key).saturating_add(1)))
+            .collect())
+    }
+
+    /// Gives `replica`, registered and holding nothing, the blocks of a
+    /// [`Self::replica_blocks`]; returns how many. A copy count of 0, or a replica holding
+    /// blocks, is an error that changes nothing. Restored blocks count as no event.
+    pub fn restore_replica(&mut self, replica: usize, blocks: &[(u64, u32)]) -> CoreResult<u64> {
+        let b = self.live_bit(replica)?;
+        if self.held.get(replica).copied().unwrap_or(0) != 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "replica {replica} holds blocks: only an empty replica is restored"
+            )));
+        }
+        if blocks.iter().any(|&(_, copies)| copies == 0) {
+            return Err(CoreError::InvalidArgument("a block restored with 0 copies".into()));
+        }
+        let mut new = 0;
+        for &(key, copies) in blocks {
+            let extra = if self.table.insert_bit(key, b) {
+                new += 1;
+                copies - 1
+            } else {
+                copies
+            };
+            if extra > 0 {
+                let slot = self.copies.entry((key, replica as u8)).or_insert(0);
+                *slot = slot.saturating_add(extra);
+            }
+        }
+        if let Some(held) = self.held.get_mut(replica) {
+            *held = new;
+        }
+        Ok(new)
+    }
+
     /// For each replica, how many of the leading blocks of `keys` it holds without a gap
     /// (`out[r]`; `out` is cleared first and has one entry per possible replica).
     pub fn prefix_blocks(&self, keys: &[u64], out: &mut [u32; MAX_REPLICAS]) {
@@ -313,6 +359,45 @@ mod tests {
 
     fn keys(range: std::ops::Range<u64>) -> Vec<u64> {
         range.map(|i| block_key(&i.to_le_bytes(), 0, 0)).collect()
+    }
+
+    #[test]
+    fn a_replicas_blocks_restore_into_a_new_index() {
+        let mut index = RouterIndex::new(1);
+        index.add_replica(0).unwrap();
+        index.add_replica(5).unwrap();
+        let mut stored = keys(0..40);
+        stored.push(0); // the key that marks an empty slot in the table
+        index.store(5, &stored).unwrap();
+        index.store(5, &stored[..3]).unwrap(); // second copies
+        index.store(0, &stored[10..20]).unwrap();
+        let mut blocks = index.replica_blocks(5).unwrap();
+        blocks.sort_unstable();
+        let mut expected: Vec<(u64, u32)> =
+            stored.iter().enumerate().map(|(i, &k)| (k, if i < 3 { 2 } else { 1 })).collect();
+        expected.sort_unstable();
+        assert_eq!(blocks, expected);
+
+        let mut restored = RouterIndex::new(99); // another seed: other slots, same answers
+        restored.add_replica(2).unwrap();
+        assert_eq!(restored.restore_replica(2, &blocks).unwrap(), 41);
+        assert_eq!(restored.held(2), 41);
+        assert!(stored.iter().all(|&k| restored.holds(2, k)));
+        // the copies came along: a block with two copies stays held after one removal
+        assert_eq!(restored.remove(2, &stored[..4]).unwrap(), 1);
+        assert!(restored.holds(2, stored[0]) && !restored.holds(2, stored[3]));
+        assert_eq!(
+            restored.counts(),
+            RouterCounts { removed: 1, repeated_removals: 3, ..Default::default() }
+        );
+
+        // refused, changing nothing: a replica holding blocks, a block of 0 copies, no replica
+        assert!(restored.restore_replica(2, &blocks).is_err());
+        restored.add_replica(3).unwrap();
+        assert!(restored.restore_replica(3, &[(7, 1), (8, 0)]).is_err());
+        assert_eq!(restored.held(3), 0);
+        assert!(restored.restore_replica(4, &blocks).is_err());
+        assert!(index.replica_blocks(4).is_err());
     }
 
     #[test]

@@ -197,6 +197,20 @@ impl HolderTable {
         true
     }
 
+    /// The keys whose set has `bit`, in slot order.
+    pub(crate) fn keys_with_bit(&self, bit: u64) -> Vec<u64> {
+        let mut keys: Vec<u64> = Vec::new();
+        if self.zero & bit != 0 {
+            keys.push(0);
+        }
+        for (slot, &key) in self.keys.iter().enumerate() {
+            if key != 0 && self.sets.get(slot) & bit != 0 {
+                keys.push(key);
+            }
+        }
+        keys
+    }
+
     /// Takes `bit` out of every set, dropping the keys it emptied.
     pub(crate) fn remove_bit_everywhere(&mut self, bit: u64) {
         self.remove_bit(0, bit);

@@ -208,6 +208,47 @@ impl PyRouterIndex {
         Ok(lock_attached(py, &self.inner)?.holds(replica, key))
     }
 
+    /// The blocks `replica` holds, for a snapshot: their keys (8 bytes each, little-endian)
+    /// and their copies (4 bytes each), in the same order; `restore_replica` takes them back.
+    fn replica_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        replica: usize,
+    ) -> GlueResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let blocks = lock_attached(py, &self.inner)?.replica_blocks(replica)?;
+        let keys: Vec<u8> = blocks.iter().flat_map(|(key, _)| key.to_le_bytes()).collect();
+        let copies: Vec<u8> = blocks.iter().flat_map(|(_, c)| c.to_le_bytes()).collect();
+        Ok((PyBytes::new(py, &keys), PyBytes::new(py, &copies)))
+    }
+
+    /// Gives `replica` (registered, holding nothing) the blocks `replica_blocks` gave;
+    /// returns how many. A ValueError, changing nothing, for malformed input.
+    fn restore_replica(
+        &self,
+        py: Python<'_>,
+        replica: usize,
+        keys: &[u8],
+        copies: &[u8],
+    ) -> GlueResult<u64> {
+        if keys.len() % 8 != 0 || copies.len() % 4 != 0 || keys.len() / 8 != copies.len() / 4 {
+            return Err(PyValueError::new_err(format!(
+                "keys and copies must be 8 and 4 bytes per block, got {} and {} bytes",
+                keys.len(),
+                copies.len()
+            ))
+            .into());
+        }
+        let blocks: Vec<(u64, u32)> = keys
+            .chunks_exact(8)
+            .zip(copies.chunks_exact(4))
+            .map(|(k, c)| {
+                let key = u64::from_le_bytes(k.try_into().unwrap_or([0; 8]));
+                (key, u32::from_le_bytes(c.try_into().unwrap_or([0; 4])))
+            })
+            .collect();
+        Ok(lock_attached(py, &self.inner)?.restore_replica(replica, &blocks)?)
+    }
+
     fn held(&self, py: Python<'_>, replica: usize) -> GlueResult<u64> {
         Ok(lock_attached(py, &self.inner)?.held(replica))
     }
