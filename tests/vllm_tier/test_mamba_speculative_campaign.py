@@ -10,7 +10,7 @@ raises one of the errors docs/vllm.md lists (its pool running dry after its own 
 count, its prefill-checkpoint assertion), the steps before must agree and kvblocks must not
 raise there.
 
-``KVBLOCKS_CAMPAIGN_SECONDS`` (default 90) bounds the run and ``KVBLOCKS_CAMPAIGN_SEED``
+``KVBLOCKS_CAMPAIGN_SECONDS`` (default 60) bounds the run and ``KVBLOCKS_CAMPAIGN_SEED``
 (default 40) picks the scenarios; the test prints how many scenarios and steps it ran and
 each dimension's values it covered. A long campaign: ``KVBLOCKS_CAMPAIGN_SECONDS=3600
 KVBLOCKS_CAMPAIGN_SEED=$RANDOM pytest tests/vllm_tier/test_mamba_speculative_campaign.py
@@ -170,7 +170,7 @@ def test_found_scenario(model_dir: Path, seed: int, index: int) -> None:
 def test_mamba_speculative_cross_product(
     model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    seconds = float(os.environ.get("KVBLOCKS_CAMPAIGN_SECONDS", "90"))
+    seconds = float(os.environ.get("KVBLOCKS_CAMPAIGN_SECONDS", "60"))
     seed = int(os.environ.get("KVBLOCKS_CAMPAIGN_SEED", "40"))
     rng = random.Random(seed)
     deadline = time.monotonic() + seconds
