@@ -800,3 +800,45 @@ def test_the_picker_scores_chats_on_vllms_rendering(
         assert (decision.unscored, decision.hit_tokens) == (None, 0), decision
     finally:
         service.close()
+
+
+def test_chats_are_tokenized_by_pieces_and_checked(
+    tokenizers: Tokenizers, oracles: dict[str, Oracle], model_dirs: dict[str, Path]
+) -> None:
+    """A rendered chat is tokenized by its pieces between the template's special tokens, each
+    piece's ids kept: a chat sent again (its history, its system prompt) reuses them, and the
+    ids stay vLLM's. A tokenizer whose pieces would not add up is never tokenized that way,
+    and a difference found by the check turns the pieces off, the whole text's ids used."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvblocks.router.openai import _Segments
+
+    for name in ("llama", "chatml"):
+        pieces = tokenizers._served[name].tokenizer.segments
+        assert pieces is not None, name
+        system = {"role": "system", "content": "You answer questions about the sea. " * 9}
+        body = {"model": name, "messages": [system, user("How deep is it?")]}
+        expected = oracles[name].prompts(CHAT, body)
+        assert expected is not None
+        hits = pieces.hits
+        for _ in range(3):
+            prompt = tokenizers.prompt_of(CHAT, body)
+            assert prompt is not None
+            assert prompt.token_ids == expected[0]
+        assert pieces.hits > hits
+        assert pieces.mismatches == 0
+    # Metaspace prepending to the text's first piece alone: pieces would not add up
+    first_only = Tokenizer.from_file(str(model_dirs["unigram"] / "tokenizer.json"))
+    first_only.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    assert _Segments.of(PreTrainedTokenizerFast(tokenizer_object=first_only)) is None
+    # pieces split where no added token is: the check finds the difference
+    llama = tokenizers._served["llama"].tokenizer
+    assert llama.segments is not None
+    backend = llama.hf._tokenizer
+    wrong = _Segments(backend, {**llama.segments.added, "ea": 7})
+    text = "You answer questions about the sea."
+    whole = backend.encode(text, add_special_tokens=False).ids
+    assert wrong.encode(text) == whole
+    assert (wrong.mismatches, wrong.enabled) == (1, False)
+    assert wrong.encode(text) is None

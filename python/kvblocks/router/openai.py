@@ -60,11 +60,13 @@ rendering. transformers is needed only to build a :class:`Tokenizers` (``pip ins
 
 from __future__ import annotations
 
+import collections
 import copy
 import fnmatch
 import inspect
 import json
 import os
+import re
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -271,12 +273,91 @@ class _Tokenizer:
         self._max_chars: int | None = None
         # transformers' fast tokenizers change their truncation state per call: one at a time.
         self.lock = threading.Lock()
+        self.segments = _Segments.of(self.hf)
 
     @property
     def max_chars_per_token(self) -> int:
         if self._max_chars is None:
             self._max_chars = max(len(token) for token in self.hf.get_vocab())
         return self._max_chars
+
+
+class _Segments:
+    """Tokenization of a rendered chat by its pieces between added tokens, each piece's ids
+    kept (LRU), so that a chat's history and shared system prompt are tokenized once.
+
+    Hugging Face's tokenizers split the added tokens (the template's special tokens) out of a
+    text before anything else, then normalize, pre-tokenize and encode each piece between
+    them on its own: a text's ids are its pieces' ids and the added tokens' ids in order.
+    That holds where every added token matches the raw text as it is (not normalized, no
+    stripping of the whitespace beside it, not single-word only) and no step looks at where
+    a piece lies in the whole text (Metaspace's ``prepend_scheme: first``); :meth:`of`
+    declines other tokenizers. The first calls, and one call in 512 after them, also encode
+    the text whole and compare: a difference turns the pieces off for good (counted in
+    :attr:`mismatches`), the whole text's ids are used."""
+
+    CHECK_FIRST = 16
+    CHECK_EVERY = 512
+    KEPT = 4096
+
+    def __init__(self, backend: Any, added: dict[str, int]) -> None:
+        self.backend = backend
+        self.added = added
+        pattern = "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True))
+        self.split = re.compile(f"({pattern})")
+        self.kept: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self.calls = self.hits = self.mismatches = 0
+        self.enabled = True
+
+    @classmethod
+    def of(cls, hf: Any) -> _Segments | None:
+        backend = getattr(hf, "_tokenizer", None)
+        if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+            return None
+        added: dict[str, int] = {}
+        for token_id, token in backend.get_added_tokens_decoder().items():
+            if token.lstrip or token.rstrip or token.single_word or token.normalized:
+                return None
+            added[token.content] = token_id
+        try:
+            layout = json.loads(backend.to_str())
+        except Exception:
+            return None
+        if not added or '"prepend_scheme": "first"' in json.dumps(layout.get("pre_tokenizer")):
+            return None
+        return cls(backend, added)
+
+    def encode(self, text: str) -> list[int] | None:
+        """``text``'s ids without special tokens added, or None where the pieces are off
+        (the caller encodes the text whole)."""
+        if not self.enabled:
+            return None
+        self.calls += 1
+        ids: list[int] = []
+        for piece in self.split.split(text):
+            if not piece:
+                continue
+            found = self.added.get(piece)
+            if found is not None:
+                ids.append(found)
+                continue
+            kept = self.kept.get(piece)
+            if kept is None:
+                kept = self.backend.encode(piece, add_special_tokens=False).ids
+                self.kept[piece] = kept
+                if len(self.kept) > self.KEPT:
+                    self.kept.popitem(last=False)
+            else:
+                self.hits += 1
+                self.kept.move_to_end(piece)
+            ids.extend(kept)
+        if self.calls <= self.CHECK_FIRST or self.calls % self.CHECK_EVERY == 0:
+            whole = self.backend.encode(text, add_special_tokens=False).ids
+            if whole != ids:
+                self.mismatches += 1
+                self.enabled = False
+                return list(whole)
+        return ids
 
 
 def _processor_chat_template(path: str, trust_remote_code: bool) -> str | None:
@@ -523,6 +604,7 @@ class _Truncation:
             elif self.side is not None and len(text) > most_chars:
                 text = text[-most_chars:] if self.side == "left" else text[:most_chars]
         kwargs: dict[str, Any] = {"add_special_tokens": add_special_tokens}
+        max_length = None
         if self.side is not None and self.truncate is not None:
             kwargs["truncation"] = False
         else:
@@ -532,6 +614,12 @@ class _Truncation:
             kwargs["truncation"] = max_length is not None
             kwargs["max_length"] = max_length
         with tokenizer.lock:
+            pieces = tokenizer.segments
+            if pieces is not None and not add_special_tokens:
+                found = pieces.encode(text)
+                # the tokenizer's own truncation would have cut a longer one: encode it whole
+                if found is not None and (max_length is None or len(found) <= max_length):
+                    return self.cut(found)
             ids = tokenizer.hf(text, **kwargs)["input_ids"]
         return self.cut(list(ids))
 
