@@ -1,4 +1,6 @@
-"""How kvblocks' long-running commands (``kvblocks route``) stop on SIGTERM and SIGINT.
+"""How kvblocks' long-running commands (``kvblocks route``, the endpoint picker) stop on
+SIGTERM and SIGINT, read their fleet again on SIGHUP, and take their snapshot options (kept
+here, light to import, for the commands' parsers).
 
 A handler that raises (``KeyboardInterrupt`` from SIGTERM, as ``kvblocks route`` had) lets
 the exception out of whatever statement the main thread is in when the signal lands: between
@@ -24,6 +26,7 @@ take it; its handler too only notes it.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import time
 
@@ -83,3 +86,15 @@ class ReloadSignal:
         arrived = self._count != self._taken
         self._taken = self._count
         return arrived
+
+
+def add_snapshot_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--snapshot FILE`` and ``--snapshot-interval``, for the commands that serve an index."""
+    parser.add_argument(
+        "--snapshot",
+        metavar="FILE",
+        help="keep the index in FILE: restored at start, saved every --snapshot-interval "
+        "seconds and at the end; a restart then resumes each feed through the replica's "
+        "replay endpoint instead of starting empty",
+    )
+    parser.add_argument("--snapshot-interval", type=float, default=60.0, metavar="SECONDS")

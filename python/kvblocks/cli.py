@@ -24,7 +24,7 @@ from typing import Any
 
 import kvblocks
 from kvblocks._install import install_hint
-from kvblocks._signals import ReloadSignal, StopSignals
+from kvblocks._signals import ReloadSignal, StopSignals, add_snapshot_arguments
 from kvblocks.engine_bench import compare, round_orders
 from kvblocks.engine_bench_report import plot, print_report
 from kvblocks.workloads import (
@@ -915,14 +915,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("fleet", help="the fleet's JSON file (see kvblocks.router.fleet)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8100)
-    r.add_argument(
-        "--snapshot",
-        metavar="FILE",
-        help="keep the index in FILE: restored at start, saved every --snapshot-interval "
-        "seconds and at the end; a restart then resumes each feed through the replica's "
-        "replay endpoint instead of starting empty",
-    )
-    r.add_argument("--snapshot-interval", type=float, default=60.0, metavar="SECONDS")
+    add_snapshot_arguments(r)
     r.set_defaults(func=route_command)
     return top
 

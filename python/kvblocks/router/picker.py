@@ -60,9 +60,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 from urllib.parse import urlsplit
 
+from kvblocks._signals import add_snapshot_arguments
 from kvblocks.router.fleet import Fleet, FleetFile, ReplicaSpec, follow_fleet_file
 from kvblocks.router.openai import Prompt
-from kvblocks.router.scorer import RouteService, SnapshotFile, report_restored
+from kvblocks.router.scorer import (
+    RouteService,
+    SnapshotFile,
+    report_restored,
+)
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -1068,14 +1073,7 @@ def _parser() -> argparse.ArgumentParser:
         "(Envoy ext_proc over gRPC) for a fleet of vLLM replicas.",
     )
     p.add_argument("fleet", help="the fleet's JSON file (see kvblocks.router.fleet)")
-    p.add_argument(
-        "--snapshot",
-        metavar="FILE",
-        help="keep the index in FILE: restored at start, saved every --snapshot-interval "
-        "seconds and at the end; a restart then resumes each feed through the replica's "
-        "replay endpoint instead of starting empty",
-    )
-    p.add_argument("--snapshot-interval", type=float, default=60.0, metavar="SECONDS")
+    add_snapshot_arguments(p)
     p.add_argument(
         "--model",
         action="append",
