@@ -11,9 +11,12 @@ import string
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TEMPLATE = Path(__file__).resolve().parent / "gateway" / "envoy.yaml"
 #: The listeners envoy.yaml defines: plain, with a subset hint set, body full-duplex.
@@ -86,3 +89,21 @@ def start_envoy(binary: str, picker_port: str, subset_hint: list[str], folder: P
         entry["name"]: entry["local_address"]["socket_address"]["port_value"] for entry in listeners
     }
     return Envoy(process, ports, log)
+
+
+def send(
+    url: str, body: bytes, request_id: str | None = None, timeout: float = 15
+) -> tuple[int, dict[str, Any]]:
+    """POSTs a JSON body (through Envoy) with an ``x-request-id``: the status and the JSON
+    answer (``{"raw": text}`` where it is not JSON)."""
+    headers = {"Content-Type": "application/json", "x-request-id": request_id or str(uuid.uuid4())}
+    request = urllib.request.Request(url, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        data = error.read()
+        try:
+            return error.code, json.loads(data)
+        except ValueError:
+            return error.code, {"raw": data.decode("utf-8", "replace")}

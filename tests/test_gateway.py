@@ -43,6 +43,7 @@ from kvblocks.router.picker import (
     token_ids_prompt,
 )
 from kvblocks.router.scorer import RouteService
+from tests import envoy_proxy
 from tests.envoy_proxy import LISTENERS, Envoy, envoy_binary, start_envoy
 from tests.processes import Lines
 
@@ -286,18 +287,7 @@ def envoy(
 
 
 def send(url: str, body: bytes, request_id: str | None = None) -> tuple[int, dict[str, Any]]:
-    """POSTs through Envoy: the status and the JSON answer."""
-    headers = {"Content-Type": "application/json", "x-request-id": request_id or str(uuid.uuid4())}
-    request = urllib.request.Request(url, data=body, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        data = error.read()
-        try:
-            return error.code, json.loads(data)
-        except ValueError:
-            return error.code, {"raw": data.decode("utf-8", "replace")}
+    return envoy_proxy.send(url, body, request_id, TIMEOUT)
 
 
 def decision_for(running: RunningPicker, request_id: str) -> Any:

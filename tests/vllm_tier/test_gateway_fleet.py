@@ -24,8 +24,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from tests import envoy_proxy
 from tests.envoy_proxy import Envoy, envoy_binary, start_envoy
 from tests.fresh_process import CHECKOUT
 from tests.processes import Lines
@@ -163,19 +162,8 @@ def start_replicas(
     return started
 
 
-def send(url: str, body: bytes, request_id: str) -> tuple[int, dict[str, Any]]:
-    """POSTs a body: the status and the JSON answer (``{"raw": text}`` where not JSON)."""
-    headers = {"Content-Type": "application/json", "x-request-id": request_id}
-    request = urllib.request.Request(url, data=body, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        data = error.read()
-        try:
-            return error.code, json.loads(data)
-        except ValueError:
-            return error.code, {"raw": data.decode("utf-8", "replace")}
+def send(url: str, body: bytes, request_id: str | None = None) -> tuple[int, dict[str, Any]]:
+    return envoy_proxy.send(url, body, request_id, TIMEOUT)
 
 
 # -- the fleet --------------------------------------------------------------------------------
