@@ -51,6 +51,12 @@ from kvblocks.router import ReplicaLayout, RoutingIndex
 from kvblocks.vllm.frontend import PromptBlockHasher
 
 IMPLS = {"rust": RustIndex, "reference": ReferenceIndex}
+
+
+class BlockStored(SimpleNamespace):
+    """Stands in for vLLM's event class of that name (the index reads its type's name)."""
+
+
 REPLICAS = 32
 BLOCKS_PER_PROMPT = 125  # a 2,000-token prompt in 16-token blocks
 PROMPTS_PER_REPLICA = 250
@@ -366,7 +372,8 @@ def test_route(benchmark: Any, layout: str) -> None:
             assert cached is not None
             ints = [int.from_bytes(h[-8:], "big") for h in cached]
             for group in range(groups):
-                index._core.store(r, ints, group, 0)
+                event = BlockStored(block_hashes=ints, medium=None, group_idx=group)
+                index.apply_events(f"r{r}", [event])
     queries = [rng.choice(prefixes)[: rng.randrange(1_000, 1_600)] for _ in range(500)]
     queries = [q + [rng.randrange(50_000) for _ in range(2_000 - len(q))] for q in queries]
     assert sum(bool(index.route(q).scores["r0"]) for q in queries) > 10  # hits to score
