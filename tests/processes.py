@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -72,3 +73,13 @@ def caught_signals(pid: int) -> set[int] | None:
             mask = int(line.split()[1], 16)
             return {number for number in range(1, 65) if mask >> (number - 1) & 1}
     return None
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float) -> float:
+    """Seconds until ``condition()`` holds (an AssertionError naming ``what`` after
+    ``timeout``)."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, f"{what}: not within {timeout} s"
+        time.sleep(0.01)
+    return time.monotonic() - started

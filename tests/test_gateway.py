@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -43,7 +42,7 @@ from kvblocks.router.picker import (
     token_ids_prompt,
 )
 from kvblocks.router.scorer import RouteService
-from tests import envoy_proxy
+from tests import envoy_proxy, processes
 from tests.envoy_proxy import LISTENERS, Envoy, envoy_binary, start_envoy
 from tests.processes import Lines
 
@@ -198,13 +197,7 @@ def picker(replicas: dict[str, Replica]) -> Iterator[RunningPicker]:
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> float:
-    """Seconds until ``condition()`` holds (an AssertionError naming ``what`` after
-    ``timeout``)."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, f"{what}: not within {timeout} s"
-        time.sleep(0.01)
-    return time.monotonic() - started
+    return processes.wait_for(condition, what, timeout)
 
 
 def scraped_twice(replicas: dict[str, Replica]) -> None:

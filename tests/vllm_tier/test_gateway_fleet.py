@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests import envoy_proxy
+from tests import envoy_proxy, processes
 from tests.envoy_proxy import Envoy, envoy_binary, start_envoy
 from tests.fresh_process import CHECKOUT
 from tests.processes import Lines
@@ -61,13 +61,7 @@ def free_port() -> int:
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> float:
-    """Seconds until ``condition()`` holds (an AssertionError naming ``what`` after
-    ``timeout``)."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, f"{what}: not within {timeout} s"
-        time.sleep(0.01)
-    return time.monotonic() - started
+    return processes.wait_for(condition, what, timeout)
 
 
 # -- the replicas -----------------------------------------------------------------------------
